@@ -1,0 +1,25 @@
+"""dask_overlap: Dask GPU work as an assembly line.
+
+Copy-in, compute and copy-out of each partition overlap on every worker's GPU, through
+bounded pools of pinned host memory and CUDA streams. The same engine runs on machines
+with no GPU, over NumPy. Importing this package touches no GPU.
+"""
+
+from __future__ import annotations
+
+from . import config as _config  # registers the overlap.* defaults with dask.config
+from .array import map_blocks
+from .config import Options, TimedModel
+from .runtime import Runtime, close_runtimes, get_runtime, runtime_stats
+
+__all__ = [
+    "Options",
+    "Runtime",
+    "TimedModel",
+    "close_runtimes",
+    "get_runtime",
+    "map_blocks",
+    "runtime_stats",
+]
+__version__ = "0.1.0"
+del _config

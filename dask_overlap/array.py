@@ -1,0 +1,269 @@
+"""The Dask glue: :func:`map_blocks`, thin on purpose.
+
+It validates, then hands the graph to ``dask.array.map_blocks`` itself, with the user's
+function wrapped in a picklable partition task, so chunk alignment, broadcasting,
+constants, delayed arguments, ``drop_axis``/``new_axis``, ``name``/``token`` and
+``block_info``/``block_id`` behave exactly as Dask's do. The task runs the partition
+through this process's (or this worker's) runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from numbers import Integral
+from typing import Any
+
+import dask.array as da
+import numpy as np
+from dask.array.utils import compute_meta
+from dask.base import tokenize
+from dask.utils import funcname, has_keyword
+
+from .config import Options
+from .partition import PartitionSpec
+
+__all__ = ["map_blocks"]
+
+_NUMERIC_KINDS = "biufc"
+
+
+def _check_dtype(what: str, dtype: Any) -> None:
+    dt = np.dtype(dtype)
+    if dt.kind not in _NUMERIC_KINDS:
+        raise TypeError(
+            f"{what} must have a numeric or boolean dtype "
+            f"(bool, integer, float or complex), got {dt}"
+        )
+
+
+def _as_list(axes: int | Sequence[int] | None) -> list[int]:
+    if axes is None:
+        return []
+    if isinstance(axes, Integral):
+        return [int(axes)]
+    return [int(a) for a in axes]
+
+
+def _out_axis(ndim: int, axis: int, drop_axis: list[int], new_axis: list[int], chunks: Any) -> int:
+    """Where input-space ``axis`` lands in the output, following Dask's own bookkeeping."""
+    labels: list[int] = list(range(ndim))[::-1]
+    dropped = {d % ndim for d in drop_axis} if ndim else set()
+    labels = [x for i, x in enumerate(labels) if i not in dropped]
+    if not new_axis and chunks is not None and len(labels) < len(chunks):
+        new_axis = list(range(len(chunks) - len(labels)))
+    for j, ax in enumerate(sorted(new_axis)):
+        labels.insert(ax, -1 - j)
+    return labels.index(ndim - 1 - axis)
+
+
+class _PartitionTask:
+    """The callable Dask runs for each partition (picklable; tokenized by content)."""
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        *,
+        backend: str,
+        array_positions: tuple[int, ...],
+        ndim: int,
+        split_axis: int | None,
+        out_split_axis: int | None,
+        sub_chunk_bytes: int,
+        in_flight: int,
+        func_block_id: bool,
+        func_block_info: bool,
+    ):
+        self.func = func
+        self.backend = backend
+        self.array_positions = array_positions
+        self.ndim = ndim
+        self.split_axis = split_axis
+        self.out_split_axis = out_split_axis
+        self.sub_chunk_bytes = sub_chunk_bytes
+        self.in_flight = in_flight
+        self.func_block_id = func_block_id
+        self.func_block_info = func_block_info
+        self.name = funcname(func)
+
+    def __dask_tokenize__(self) -> Any:
+        return (
+            type(self).__name__,
+            tokenize(self.func),
+            self.backend,
+            self.array_positions,
+            self.split_axis,
+            self.out_split_axis,
+            self.sub_chunk_bytes,
+            self.in_flight,
+        )
+
+    def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
+        from .runtime import get_runtime
+
+        if self.func_block_id:
+            kwargs = dict(kwargs, block_id=block_id)
+        spec = PartitionSpec(
+            key=(self.name, *(block_id or ())),
+            array_positions=self.array_positions,
+            ndim=self.ndim,
+            split_axis=self.split_axis,
+            out_split_axis=self.out_split_axis,
+            sub_chunk_bytes=self.sub_chunk_bytes,
+            in_flight=self.in_flight,
+            block_info=block_info,
+            func_name=funcname(self.func),
+        )
+        return get_runtime(self.backend).run_partition(self.func, args, kwargs, spec)
+
+    def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
+        return self._run(args, block_id, None, kwargs)
+
+
+class _PartitionTaskWithInfo(_PartitionTask):
+    """The same, for a ``func`` that asks for ``block_info`` (Dask then builds it)."""
+
+    def __call__(
+        self,
+        *args: Any,
+        block_id: tuple | None = None,
+        block_info: dict | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        return self._run(args, block_id, block_info, kwargs)
+
+
+def map_blocks(
+    func: Callable[..., Any],
+    *arrays: Any,
+    dtype: Any = None,
+    chunks: Any = None,
+    drop_axis: int | Sequence[int] | None = None,
+    new_axis: int | Sequence[int] | None = None,
+    split_axis: int | None = None,
+    sub_chunk_bytes: int | str | None = None,
+    in_flight: int | None = None,
+    meta: Any = None,
+    name: str | None = None,
+    token: str | None = None,
+    **kwargs: Any,
+) -> da.Array:
+    """Map ``func`` over the blocks of dask arrays, each partition as an assembly line.
+
+    The same call as :func:`dask.array.map_blocks`, with the same result; inside each
+    partition task ``func`` receives the backend's arrays (CuPy on the GPU, NumPy on the
+    host path) and returns one. Each partition is copied to the device, computed and
+    copied back through the worker's stream and pinned-memory pools, overlapped with
+    the other partitions the worker runs.
+
+    Parameters
+    ----------
+    func
+        Called on the blocks of ``arrays`` (and on the other arguments as they are).
+    *arrays
+        Dask arrays, aligned and broadcast as Dask does; other objects (constants,
+        delayed objects) are passed through.
+    dtype, chunks, drop_axis, new_axis, meta, name, token, **kwargs
+        As in :func:`dask.array.map_blocks`.
+    split_axis
+        Declares that ``func`` is independent along this axis: each partition is then
+        cut along it into sub-chunks of about ``sub_chunk_bytes`` that are pipelined
+        (the next copies in while one computes and the one before copies out). The
+        output's extent along it must equal the input's. ``None`` (default): each
+        partition is one sub-chunk.
+    sub_chunk_bytes
+        Target sub-chunk size, an int or a string such as ``"32MiB"``
+        (default ``overlap.sub-chunk-bytes``).
+    in_flight
+        How many sub-chunks of a partition may be in flight at once (the bounded queue;
+        default ``overlap.in-flight``). When it is full the submitter waits.
+
+    Returns
+    -------
+    dask.array.Array
+
+    Examples
+    --------
+    >>> import dask.array as da, dask_overlap
+    >>> x = da.arange(12, chunks=4)
+    >>> y = dask_overlap.map_blocks(lambda b: b * 2, x, split_axis=0, sub_chunk_bytes=8)
+    >>> y.compute().tolist()
+    [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]
+    """
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__}")
+    opts = Options.from_config(sub_chunk_bytes=sub_chunk_bytes, in_flight=in_flight)
+
+    positions = tuple(i for i, a in enumerate(arrays) if isinstance(a, da.Array))
+    if not positions and chunks is None:
+        raise ValueError(
+            "map_blocks needs at least one dask array in arrays, or chunks= to build the "
+            f"output from; got {len(arrays)} positional argument(s) and no dask array"
+        )
+    for i in positions:
+        _check_dtype(f"arrays[{i}]", arrays[i].dtype)
+    if meta is not None and hasattr(meta, "dtype"):
+        _check_dtype("meta", meta.dtype)
+
+    ndim = max((arrays[i].ndim for i in positions), default=0)
+    drop = _as_list(drop_axis)
+    new = _as_list(new_axis)
+    out_split_axis = None
+    if split_axis is not None:
+        if isinstance(split_axis, bool) or not isinstance(split_axis, Integral):
+            raise TypeError(f"split_axis must be an integer or None, got {split_axis!r}")
+        if not -ndim <= split_axis < ndim:
+            raise ValueError(
+                f"split_axis must be in [{-ndim}, {ndim}) for inputs of {ndim} dimension(s), "
+                f"got {split_axis}"
+            )
+        split_axis = int(split_axis) % ndim
+        if split_axis in {d % ndim for d in drop}:
+            raise ValueError(
+                f"split_axis={split_axis} is also in drop_axis={drop_axis}: the output must "
+                "keep the split axis"
+            )
+        out_split_axis = _out_axis(ndim, split_axis, drop, new, chunks)
+
+    if meta is None:
+        # Dask would compute meta by calling the task itself, which would run a pipeline
+        # at graph construction; call the user's function on empty NumPy blocks instead,
+        # as dask.array.map_blocks does with its own function.
+        try:
+            meta = compute_meta(func, dtype, *arrays, **kwargs)
+        except Exception:
+            meta = None
+        if dtype is None:
+            dtype = da.core.apply_infer_dtype(func, arrays, kwargs, "map_blocks")
+        if not isinstance(meta, np.ndarray):
+            out_ndim = len(chunks) if chunks is not None else ndim - len(drop) + len(new)
+            meta = np.empty((0,) * out_ndim, dtype=dtype)
+    if dtype is not None:
+        _check_dtype("the output of func (dtype)", dtype)
+
+    task_type = _PartitionTaskWithInfo if has_keyword(func, "block_info") else _PartitionTask
+    task = task_type(
+        func,
+        backend=opts.backend,
+        array_positions=positions,
+        ndim=ndim,
+        split_axis=split_axis,
+        out_split_axis=out_split_axis,
+        sub_chunk_bytes=opts.sub_chunk_bytes,
+        in_flight=opts.in_flight,
+        func_block_id=has_keyword(func, "block_id"),
+        func_block_info=has_keyword(func, "block_info"),
+    )
+    out = da.map_blocks(
+        task,
+        *arrays,
+        dtype=dtype,
+        chunks=chunks,
+        drop_axis=drop_axis,
+        new_axis=new_axis,
+        meta=meta,
+        name=name,
+        token=token or funcname(func),
+        **kwargs,
+    )
+    task.name = out.name
+    return out

@@ -1,0 +1,107 @@
+"""The ``host`` backend: NumPy arrays stand in for device memory, threads for streams.
+
+Each stream is one thread that runs its queue in order, so the stages of different
+sub-chunks really run at the same time, as on a GPU, and the same engine, runner and
+pools run and are tested on machines with no GPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .base import HostPool, OnDone
+
+__all__ = ["HostBackend", "HostStream"]
+
+_STOP = object()
+
+
+class HostStream:
+    """A thread that runs submitted work in order: the host's stand-in for a stream."""
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fn, on_done = item
+            try:
+                result = fn()
+            except BaseException as e:  # handed to the runner, which re-raises it
+                on_done(None, e)
+            else:
+                on_done(result, None)
+            # Drop the references now: an idle thread must not keep the last sub-chunk's
+            # buffers (and through them pinned blocks) alive.
+            del item, fn, on_done
+            result = None
+
+    def submit(self, fn: Callable[[], Any], on_done: OnDone) -> None:
+        self._queue.put((fn, on_done))
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        # Work on this stream is synchronous, so "completed" is "reached in the queue".
+        self._queue.put((callback, lambda result, error: None))
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join()
+
+
+class HostBackend:
+    """NumPy everywhere; see the module docstring."""
+
+    name = "host"
+
+    def __init__(self, pinned_pool_size: int):
+        self.pinned = HostPool(pinned_pool_size)
+        self._streams = 0
+
+    def make_stream(self) -> HostStream:
+        self._streams += 1
+        return HostStream(f"overlap-{self.name}-stream-{self._streams - 1}")
+
+    def is_device(self, x: Any) -> bool:
+        return False
+
+    def is_pinned(self, x: np.ndarray) -> bool:
+        return self.pinned.owns(x)
+
+    def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
+        np.copyto(dst, src)
+
+    def copy_in(self, stream: Any, host: np.ndarray) -> np.ndarray:
+        # The "device" copy keeps the input's layout, as cupy.asarray does.
+        return np.array(host, copy=True)
+
+    def compute(self, stream: Any, func: Callable[..., Any], args: list, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
+
+    def copy_out(self, stream: Any, device: np.ndarray, out: np.ndarray) -> None:
+        np.copyto(out, device)
+
+    def as_result(self, x: Any) -> np.ndarray | None:
+        if isinstance(x, np.ndarray):
+            return x
+        if isinstance(x, np.generic):
+            return np.asarray(x)
+        return None
+
+    def naive(self, func: Callable[..., Any], *blocks: np.ndarray, **kwargs: Any) -> np.ndarray:
+        return np.asarray(func(*[np.array(b, copy=True) for b in blocks], **kwargs))
+
+    def device_bytes_in_use(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        self.pinned.close()

@@ -1,0 +1,154 @@
+"""Configuration: the ``overlap.*`` namespace of ``dask.config`` and the options objects.
+
+Each option is defined, documented and defaulted once, in ``overlap.yaml`` beside this
+module (its schema is ``overlap.schema.json``). :class:`Options` reads it, keyword
+arguments override it, and every value is validated here, at the API boundary, with a
+message that names the parameter, the expectation and the value given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from numbers import Integral, Real
+from typing import Any
+
+import dask.config
+import yaml
+from dask.utils import parse_bytes
+
+__all__ = ["BACKENDS", "Options", "TimedModel", "check_positive_int", "check_bytes"]
+
+BACKENDS = ("auto", "cuda", "host", "timed")
+
+_here = os.path.dirname(__file__)
+with open(os.path.join(_here, "overlap.yaml")) as f:
+    defaults: dict[str, Any] = yaml.safe_load(f)
+
+# Registers the shipped defaults under user settings (update_defaults keeps what the
+# user's own YAML or environment already set).
+dask.config.update_defaults(defaults)
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Return ``value`` as an int, or raise naming ``name`` if it is not a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_bytes(name: str, value: Any, *, allow_zero: bool = False) -> int:
+    """Parse a byte count (``int`` or a string such as ``"32MiB"``) named ``name``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+    if isinstance(value, str):
+        try:
+            parsed = parse_bytes(value)
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"{name} must be a positive number of bytes (e.g. 32MiB), got {value!r}"
+            ) from None
+    elif isinstance(value, Integral):
+        parsed = int(value)
+    else:
+        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+    if parsed < 0 or (parsed == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+    return parsed
+
+
+def _check_rate(name: str, value: Any) -> float:
+    return float(check_bytes(name, value))
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedModel:
+    """Modelled stage rates of the ``timed`` backend (bytes per second, seconds per call)."""
+
+    h2d_bandwidth: float
+    d2h_bandwidth: float
+    pageable_h2d_bandwidth: float
+    pageable_d2h_bandwidth: float
+    staging_bandwidth: float
+    kernel_bandwidth: float
+    kernel_seconds: float
+
+    @classmethod
+    def from_config(cls, **overrides: Any) -> TimedModel:
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            key = field.name.replace("_", "-")
+            value = overrides.get(field.name)
+            if value is None:
+                value = dask.config.get(f"overlap.timed.{key}")
+            if field.name == "kernel_seconds":
+                if isinstance(value, bool) or not isinstance(value, Real) or value < 0:
+                    raise ValueError(
+                        f"overlap.timed.kernel-seconds must be a number >= 0, got {value!r}"
+                    )
+                values[field.name] = float(value)
+            else:
+                values[field.name] = _check_rate(f"overlap.timed.{key}", value)
+        return cls(**values)
+
+    def kernel_time(self, nbytes: int) -> float:
+        return self.kernel_seconds + nbytes / self.kernel_bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Every option of a runtime and of a call, resolved and validated.
+
+    Built by :meth:`from_config`, which reads ``overlap.*`` from ``dask.config`` and lets
+    keyword arguments override it. The runtime, the plugin and the CLI take this object;
+    none of them restates a default.
+    """
+
+    backend: str
+    sub_chunk_bytes: int
+    in_flight: int
+    streams: int
+    staging_threads: int
+    pinned_pool_size: int
+    device_pool_size: int
+    timed: TimedModel
+
+    @classmethod
+    def from_config(cls, **overrides: Any) -> Options:
+        """Options from ``dask.config`` (``overlap.*``), with non-``None`` overrides applied.
+
+        Examples
+        --------
+        >>> Options.from_config(in_flight=2).in_flight
+        2
+        """
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}")
+
+        def get(name: str) -> Any:
+            value = overrides.get(name)
+            if value is None:
+                value = dask.config.get(f"overlap.{name.replace('_', '-')}")
+            return value
+
+        backend = get("backend")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+        timed = overrides.get("timed")
+        if timed is None:
+            timed = TimedModel.from_config()
+        elif not isinstance(timed, TimedModel):
+            raise TypeError(f"timed must be a TimedModel, got {type(timed).__name__}")
+        return cls(
+            backend=backend,
+            sub_chunk_bytes=check_bytes("sub_chunk_bytes", get("sub_chunk_bytes")),
+            in_flight=check_positive_int("in_flight", get("in_flight")),
+            streams=check_positive_int("streams", get("streams")),
+            staging_threads=check_positive_int("staging_threads", get("staging_threads")),
+            pinned_pool_size=check_bytes(
+                "pinned_pool_size", get("pinned_pool_size"), allow_zero=True
+            ),
+            device_pool_size=check_bytes("device_pool_size", get("device_pool_size")),
+            timed=timed,
+        )

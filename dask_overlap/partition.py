@@ -1,0 +1,386 @@
+"""The partition runner: drives the engine for one partition over a runtime's backend.
+
+The task's thread is the *submitter*: it turns the engine's actions into work on the
+staging threads and the streams, and waits for their completions, which come back as
+engine events through one queue. When the window is full it waits, and that wait is
+counted as backpressure.
+
+Ownership: every buffer of a sub-chunk (pinned staging blocks, device inputs, the device
+result) is held in this object until the sub-chunk's copy-out has *completed* on its
+stream, then dropped, which returns pinned blocks to the pool. After a failure nothing is
+dropped until every stream this partition used has completed, so no asynchronous copy
+can outlive its buffer.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .engine import Action, Done, Failed, Pipeline, Plan, Stage, plan_sub_chunks
+
+__all__ = ["PartitionSpec", "run_partition"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionSpec:
+    """What one partition task knows besides its arguments.
+
+    ``split_axis`` is in the index space of the inputs (the highest input ``ndim``, as
+    Dask aligns them); ``out_split_axis`` is the same axis in the output.
+    """
+
+    key: tuple
+    array_positions: tuple[int, ...]
+    ndim: int
+    split_axis: int | None
+    out_split_axis: int | None
+    sub_chunk_bytes: int
+    in_flight: int
+    block_info: dict | None = None
+    func_name: str = "func"
+
+
+def _along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+def run_partition(
+    runtime: Any, func: Callable[..., Any], args: tuple, kwargs: dict, spec: PartitionSpec
+) -> Any:
+    """Run ``func`` over one partition through the pipeline; return the output block."""
+    return _PartitionRun(runtime, func, args, kwargs, spec).run()
+
+
+class _PartitionRun:
+    def __init__(self, rt: Any, func: Callable, args: tuple, kwargs: dict, spec: PartitionSpec):
+        self.rt = rt
+        self.backend = rt.backend
+        self.func = func
+        self.args = list(args)
+        self.kwargs = kwargs
+        self.spec = spec
+        self.events: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
+        for p in spec.array_positions:
+            if not self.backend.is_device(self.args[p]) and not isinstance(
+                self.args[p], np.ndarray
+            ):
+                self.args[p] = np.asarray(self.args[p])
+        self.axes, self.plan = self._plan()
+        # Per sub-chunk state, keyed by sub-chunk index; see the module docstring.
+        self.host_in: dict[int, list[Any]] = {}
+        self.held: dict[int, list[np.ndarray]] = {}
+        self.dev_in: dict[int, list[Any]] = {}
+        self.dev_out: dict[int, Any] = {}
+        self.dev_bytes: dict[int, int] = {}
+        self.streams: dict[int, Any] = {}
+        self.out: Any = None
+
+    # -- planning ---------------------------------------------------------------------
+    def _plan(self) -> tuple[dict[int, int | None], Plan]:
+        """The split axis of each array input (``None``: passed whole) and the plan."""
+        k = self.spec.split_axis
+        axes: dict[int, int | None] = {}
+        if k is None:
+            first = self.args[self.spec.array_positions[0]] if self.spec.array_positions else None
+            extent = first.shape[0] if first is not None and first.ndim else 1
+            return dict.fromkeys(self.spec.array_positions), Plan(
+                None, extent, plan_sub_chunks(extent, 0, 0, None).sub_chunks
+            )
+        extent = 1
+        for p in self.spec.array_positions:
+            a = self.args[p]
+            ax = k - (self.spec.ndim - a.ndim)
+            if ax >= 0 and a.shape[ax] != 1:
+                extent = max(extent, a.shape[ax])
+        row_bytes = 0
+        for p in self.spec.array_positions:
+            a = self.args[p]
+            ax = k - (self.spec.ndim - a.ndim)
+            if ax < 0 or (a.shape[ax] == 1 and extent != 1):
+                axes[p] = None  # broadcast along the split axis: every sub-chunk gets it whole
+            else:
+                axes[p] = ax
+                if extent:
+                    row_bytes += a.nbytes // extent
+        if any(self.args[p].size == 0 for p in self.spec.array_positions):
+            row_bytes = 0  # nothing to pipeline: one sub-chunk
+        return axes, plan_sub_chunks(extent, row_bytes, self.spec.sub_chunk_bytes, k)
+
+    def _inputs(self, i: int) -> list[Any]:
+        sub = self.plan.sub_chunks[i]
+        out = []
+        for p in self.spec.array_positions:
+            a, ax = self.args[p], self.axes[p]
+            out.append(
+                a if ax is None or len(self.plan) == 1 else a[_along(ax, sub.start, sub.stop)]
+            )
+        return out
+
+    def _needs_staging(self, x: Any) -> bool:
+        return (
+            not self.backend.is_device(x)
+            and x.nbytes > 0
+            and (not x.flags.c_contiguous or not self.backend.is_pinned(x))
+        )
+
+    # -- the driver loop --------------------------------------------------------------
+    def run(self) -> Any:
+        counters = self.rt.counters
+        counters.add(partitions=1, partitions_active=1)
+        try:
+            return self._run()
+        finally:
+            counters.add(partitions_active=-1)
+
+    def _run(self) -> Any:
+        counters = self.rt.counters
+        n = len(self.plan)
+        for i in range(n):
+            self.host_in[i] = self._inputs(i)
+        staged = [any(self._needs_staging(x) for x in self.host_in[i]) for i in range(n)]
+        pipe = Pipeline(n, self.spec.in_flight, staged)
+        counters.add(sub_chunks=n)
+        in_flight = 0
+        waited = 0.0
+        try:
+            actions = pipe.start()
+            while True:
+                counters.add(in_flight=pipe.in_flight - in_flight)
+                in_flight = pipe.in_flight
+                self._dispatch(actions)
+                if pipe.done:
+                    break
+                blocked = pipe.blocked
+                t0 = time.perf_counter()
+                event = self.events.get()
+                if blocked:
+                    waited += time.perf_counter() - t0
+                if isinstance(event, Done) and event.stage == Stage.D2H:
+                    self._release(event.index)
+                actions = pipe.handle(event)
+        finally:
+            counters.add(in_flight=-in_flight, backpressure_seconds=waited)
+            counters.add_max(max_window=pipe.max_in_flight)
+            if pipe.error is not None or not pipe.done:
+                # Nothing is dropped before the streams are done with it.
+                self._wait_streams()
+                for i in list(self.host_in):
+                    self._release(i)
+                self.out = None
+        if pipe.error is not None:
+            counters.add(partitions_failed=1)
+            raise pipe.error
+        return self.out
+
+    def _post(self, event: Done | Failed) -> None:
+        self.events.put(event)
+
+    def _dispatch(self, actions: list[Action]) -> None:
+        for a in actions:
+            try:
+                {
+                    Stage.STAGE: self._stage,
+                    Stage.H2D: self._copy_in,
+                    Stage.COMPUTE: self._compute,
+                    Stage.D2H: self._copy_out,
+                }[a.stage](a.index)
+            except Exception as e:
+                self._post(Failed(a.stage, a.index, e))
+
+    def _completion(self, stage: Stage, i: int, store: Callable[[Any], None] | None = None):
+        def on_done(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                self._post(Failed(stage, i, error))
+                return
+            if store is not None:
+                store(result)
+            self._post(Done(stage, i))
+
+        return on_done
+
+    # -- the four stages --------------------------------------------------------------
+    def _stage(self, i: int) -> None:
+        pool = self.backend.pinned
+        counters = self.rt.counters
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            held, staged_bytes, fallbacks = [], 0, 0
+            inputs = self.host_in[i]
+            for j, x in enumerate(inputs):
+                if not self._needs_staging(x):
+                    continue
+                block = pool.allocate(x.nbytes)
+                if block is None:
+                    # Pool exhausted: copy straight from pageable memory, and say so.
+                    fallbacks += 1
+                    continue
+                dst = block.view(x.dtype).reshape(x.shape)
+                self.backend.stage(x, dst)
+                held.append(block)
+                inputs[j] = dst
+                staged_bytes += x.nbytes
+            self.held[i] = held
+            counters.add(bytes_staged=staged_bytes, pinned_fallbacks=fallbacks)
+            counters.add_busy("stage", time.perf_counter() - t0)
+
+        fut = self.rt.staging.submit(work)
+        fut.add_done_callback(lambda f: self._completion(Stage.STAGE, i)(None, f.exception()))
+
+    def _copy_in(self, i: int) -> None:
+        stream = self.streams[i] = self.rt.next_stream()
+        backend = self.backend
+
+        def work() -> list[Any]:
+            t0 = time.perf_counter()
+            copies = [
+                x if backend.is_device(x) else backend.copy_in(stream, x) for x in self.host_in[i]
+            ]
+            moved = sum(x.nbytes for x in self.host_in[i] if not backend.is_device(x))
+            self.dev_bytes[i] = moved
+            self.rt.counters.add(bytes_h2d=moved, device_bytes_in_flight=moved)
+            self.rt.counters.add_busy("h2d", time.perf_counter() - t0)
+            return copies
+
+        stream.submit(work, self._completion(Stage.H2D, i, lambda r: self.dev_in.__setitem__(i, r)))
+
+    def _compute(self, i: int) -> None:
+        stream = self.streams[i]
+        args = list(self.args)
+        for p, d in zip(self.spec.array_positions, self.dev_in[i], strict=True):
+            args[p] = d
+        kwargs = self.kwargs
+        if self.spec.block_info is not None:
+            kwargs = dict(kwargs, block_info=self._block_info(i))
+
+        def work() -> Any:
+            t0 = time.perf_counter()
+            result = self.backend.compute(stream, self.func, args, kwargs)
+            self.rt.counters.add_busy("compute", time.perf_counter() - t0)
+            return result
+
+        stream.submit(
+            work, self._completion(Stage.COMPUTE, i, lambda r: self.dev_out.__setitem__(i, r))
+        )
+
+    def _copy_out(self, i: int) -> None:
+        stream = self.streams[i]
+        result = self._check_result(i)
+        sub = self.plan.sub_chunks[i]
+        ax = self.spec.out_split_axis
+        dest = self.out if len(self.plan) == 1 else self.out[_along(ax, sub.start, sub.stop)]
+        counters = self.rt.counters
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            self.backend.copy_out(stream, result, dest)
+            counters.add(bytes_d2h=result.nbytes)
+            counters.add_busy("d2h", time.perf_counter() - t0)
+
+        def on_done(_: Any, error: BaseException | None) -> None:
+            if error is not None:
+                self._post(Failed(Stage.D2H, i, error))
+            else:
+                stream.on_complete(lambda: self._post(Done(Stage.D2H, i)))
+
+        stream.submit(work, on_done)
+
+    # -- results, output and buffers ---------------------------------------------------
+    def _where(self) -> str:
+        return f"partition {self.spec.key!r}"
+
+    def _check_result(self, i: int) -> Any:
+        raw = self.dev_out[i]
+        result = self.backend.as_result(raw)
+        if result is None:
+            raise TypeError(
+                f"{self.spec.func_name} must return an array, got {type(raw).__name__} "
+                f"for {self._where()}"
+            )
+        self.dev_out[i] = result
+        ax = self.spec.out_split_axis
+        sub = self.plan.sub_chunks[i]
+        if ax is not None and len(self.plan) > 1:
+            got = result.shape[ax] if result.ndim > ax else None
+            if got != sub.extent:
+                raise ValueError(
+                    f"split_axis={self.spec.split_axis} requires {self.spec.func_name} to keep "
+                    f"the extent of output axis {ax}: sub-chunk rows [{sub.start}:{sub.stop}] "
+                    f"of {self._where()} gave an output of shape {tuple(result.shape)}, "
+                    f"expected extent {sub.extent} along axis {ax}"
+                )
+        if self.out is None:
+            shape = list(result.shape)
+            if ax is not None and len(self.plan) > 1:
+                shape[ax] = self.plan.extent
+            self.out = self._allocate_output(tuple(shape), result.dtype)
+        else:
+            expected = list(self.out.shape)
+            got_shape = list(result.shape)
+            if ax is not None and len(self.plan) > 1:
+                expected[ax] = got_shape[ax] = sub.extent
+            if result.dtype != self.out.dtype or got_shape != expected:
+                raise ValueError(
+                    f"{self.spec.func_name} returned dtype {result.dtype} and shape "
+                    f"{tuple(result.shape)} for sub-chunk rows [{sub.start}:{sub.stop}] of "
+                    f"{self._where()}, but an earlier sub-chunk gave dtype {self.out.dtype} "
+                    f"and shape {tuple(expected)}"
+                )
+        return result
+
+    def _allocate_output(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes == 0:
+            return np.empty(shape, dtype)
+        block = self.backend.pinned.allocate(nbytes)
+        if block is None:
+            self.rt.counters.add(pinned_fallbacks=1)
+            return np.empty(shape, dtype)
+        return block.view(dtype).reshape(shape)
+
+    def _release(self, i: int) -> None:
+        self.host_in.pop(i, None)
+        self.held.pop(i, None)
+        self.dev_in.pop(i, None)
+        self.dev_out.pop(i, None)
+        moved = self.dev_bytes.pop(i, 0)
+        if moved:
+            self.rt.counters.add(device_bytes_in_flight=-moved)
+
+    def _wait_streams(self) -> None:
+        """Block until all work this partition put on its streams has completed."""
+        used = {id(s): s for s in self.streams.values()}.values()
+        done = threading.Semaphore(0)
+        for s in used:
+            s.on_complete(done.release)
+        for _ in used:
+            done.acquire()
+
+    def _block_info(self, i: int) -> dict:
+        """The partition's ``block_info``, narrowed to sub-chunk ``i``."""
+        info = self.spec.block_info
+        if len(self.plan) == 1 or info is None:
+            return info
+        sub = self.plan.sub_chunks[i]
+        info = copy.deepcopy(info)
+        for p in self.spec.array_positions:
+            ax = self.axes[p]
+            if ax is not None and p in info:
+                lo, _ = info[p]["array-location"][ax]
+                info[p]["array-location"][ax] = (lo + sub.start, lo + sub.stop)
+        ax = self.spec.out_split_axis
+        if None in info and ax is not None:
+            lo, _ = info[None]["array-location"][ax]
+            info[None]["array-location"][ax] = (lo + sub.start, lo + sub.stop)
+            shape = list(info[None]["chunk-shape"])
+            shape[ax] = sub.extent
+            info[None]["chunk-shape"] = tuple(shape)
+        return info

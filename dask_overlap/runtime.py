@@ -1,0 +1,144 @@
+"""The runtime: one per process and backend, owner of every pool.
+
+It owns the backend (and through it the pinned and device pools), the stream pool, the
+staging threads and the counters. Partition tasks share it, so the bounds of its pools
+hold for the whole process however many partitions run at once. It is created on first
+use (nothing touches a GPU before a task runs) and closed by :func:`close_runtimes`, at
+interpreter exit, or by the worker plugin's teardown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .backends import Backend, Stream, make_backend, resolve_backend
+from .config import Options
+from .stats import Counters
+
+__all__ = ["Runtime", "close_runtimes", "get_runtime", "runtime_stats"]
+
+
+class Runtime:
+    """Pools and threads for one device; see the module docstring.
+
+    Parameters
+    ----------
+    options
+        Resolved options; ``Options.from_config()`` when omitted.
+    """
+
+    def __init__(self, options: Options | None = None):
+        self.options = options if options is not None else Options.from_config()
+        self.backend: Backend = make_backend(self.options)
+        self.name = self.backend.name
+        self.streams: list[Stream] = [
+            self.backend.make_stream() for _ in range(self.options.streams)
+        ]
+        self.staging = ThreadPoolExecutor(
+            self.options.staging_threads, thread_name_prefix=f"overlap-{self.name}-staging"
+        )
+        self.counters = Counters()
+        self._stream_turn = itertools.count()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def next_stream(self) -> Stream:
+        """The pool's streams in turn, so concurrent sub-chunks and partitions spread."""
+        with self._lock:
+            return self.streams[next(self._stream_turn) % len(self.streams)]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters plus the pools' current occupancy (see :func:`runtime_stats`)."""
+        out = self.counters.snapshot()
+        pool = self.backend.pinned
+        device = self.backend.device_bytes_in_use()
+        out.update(
+            backend=self.name,
+            pinned_bytes_in_use=pool.in_use,
+            pinned_bytes_peak=pool.peak,
+            pinned_pool_size=pool.limit,
+            device_bytes_in_use=(out["device_bytes_in_flight"] if device is None else device),
+            streams=len(self.streams),
+            staging_threads=self.options.staging_threads,
+        )
+        return out
+
+    def run_partition(self, *args: Any, **kwargs: Any) -> Any:
+        from .partition import run_partition
+
+        return run_partition(self, *args, **kwargs)
+
+    def close(self) -> None:
+        """Stop the threads and release the pools. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.staging.shutdown(wait=True)
+        for s in self.streams:
+            s.close()
+        self.backend.close()
+
+
+_runtimes: dict[str, Runtime] = {}
+_runtimes_lock = threading.Lock()
+
+
+def get_runtime(backend: str | None = None) -> Runtime:
+    """This process's runtime for ``backend`` (default: ``overlap.backend``), made on first use."""
+    name = resolve_backend(backend if backend is not None else Options.from_config().backend)
+    with _runtimes_lock:
+        rt = _runtimes.get(name)
+        if rt is None or rt.closed:
+            rt = _runtimes[name] = Runtime(Options.from_config(backend=name))
+        return rt
+
+
+def runtime_stats(backend: str | None = None) -> dict[str, Any]:
+    """Counters and pool occupancy of this process's runtime.
+
+    With no argument: the runtime of ``overlap.backend`` if it exists, else the only one
+    that exists. Includes ``backend``, ``partitions``, ``sub_chunks``, ``bytes_h2d``,
+    ``bytes_d2h``, ``in_flight``, ``pinned_bytes_in_use``, ``device_bytes_in_use``,
+    ``pinned_fallbacks`` and ``backpressure_seconds``. Zeros when no runtime exists yet.
+
+    Examples
+    --------
+    >>> import dask_overlap
+    >>> dask_overlap.runtime_stats()["in_flight"]
+    0
+    """
+    with _runtimes_lock:
+        if backend is not None:
+            rt = _runtimes.get(resolve_backend(backend))
+        else:
+            configured = Options.from_config().backend
+            rt = _runtimes.get(configured) if configured != "auto" else None
+            if rt is None and len(_runtimes) == 1:
+                rt = next(iter(_runtimes.values()))
+            elif rt is None and configured == "auto":
+                rt = _runtimes.get(resolve_backend("auto"))
+    if rt is not None:
+        return rt.stats()
+    out = Counters().snapshot()
+    out.update(
+        backend=resolve_backend(backend or Options.from_config().backend),
+        pinned_bytes_in_use=0,
+        pinned_bytes_peak=0,
+        device_bytes_in_use=0,
+    )
+    return out
+
+
+@atexit.register
+def close_runtimes() -> None:
+    """Close every runtime of this process."""
+    with _runtimes_lock:
+        rts = list(_runtimes.values())
+        _runtimes.clear()
+    for rt in rts:
+        rt.close()

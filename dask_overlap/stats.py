@@ -1,0 +1,57 @@
+"""Counters of one runtime: what moved, what waited, what is held now."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+__all__ = ["Counters"]
+
+
+@dataclasses.dataclass
+class Counters:
+    """Cumulative and current counts, updated under one lock by concurrent partitions."""
+
+    partitions: int = 0
+    partitions_failed: int = 0
+    partitions_active: int = 0
+    sub_chunks: int = 0
+    bytes_staged: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    max_window: int = 0
+    pinned_fallbacks: int = 0
+    device_bytes_in_flight: int = 0
+    backpressure_seconds: float = 0.0
+    busy_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    _lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def add_max(self, **values: float) -> None:
+        with self._lock:
+            for name, value in values.items():
+                setattr(self, name, max(getattr(self, name), value))
+
+    def add_busy(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.busy_seconds[stage] = self.busy_seconds.get(stage, 0.0) + seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            out = {
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if not f.name.startswith("_")
+            }
+            out["busy_seconds"] = dict(self.busy_seconds)
+            return out
