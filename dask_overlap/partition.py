@@ -94,12 +94,21 @@ class _PartitionRun:
             return dict.fromkeys(self.spec.array_positions), Plan(
                 None, extent, plan_sub_chunks(extent, 0, 0, None).sub_chunks
             )
-        extent = 1
+        # Dask aligns blocks by position, not shape: inputs may disagree along k. Only an
+        # extent of 1 broadcasts; any other mismatch cannot be cut into common sub-chunks.
+        extents: dict[int, int] = {}
         for p in self.spec.array_positions:
             a = self.args[p]
             ax = k - (self.spec.ndim - a.ndim)
             if ax >= 0 and a.shape[ax] != 1:
-                extent = max(extent, a.shape[ax])
+                extents[p] = a.shape[ax]
+        if len(set(extents.values())) > 1:
+            found = ", ".join(f"arrays[{p}]: {e}" for p, e in extents.items())
+            raise ValueError(
+                f"split_axis={k} requires the array inputs to have the same extent along it "
+                f"(or 1, to broadcast); {self._where()} has extents {found}"
+            )
+        extent = next(iter(extents.values()), 1)
         row_bytes = 0
         for p in self.spec.array_positions:
             a = self.args[p]
@@ -308,7 +317,7 @@ class _PartitionRun:
         self.dev_out[i] = result
         ax = self.spec.out_split_axis
         sub = self.plan.sub_chunks[i]
-        if ax is not None and len(self.plan) > 1:
+        if ax is not None:
             got = result.shape[ax] if result.ndim > ax else None
             if got != sub.extent:
                 raise ValueError(
