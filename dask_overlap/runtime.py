@@ -10,6 +10,7 @@ interpreter exit, or by the worker plugin's teardown.
 from __future__ import annotations
 
 import atexit
+import sys
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -88,8 +89,25 @@ _runtimes: dict[str, Runtime] = {}
 _runtimes_lock = threading.Lock()
 
 
+def _plugin_runtime(backend: str | None) -> Runtime | None:
+    # A worker, and so a plugin, exists only where distributed is imported: the threaded
+    # scheduler does not pay for importing it.
+    if "distributed" not in sys.modules:
+        return None
+    from .plugin import worker_runtime
+
+    return worker_runtime(backend)
+
+
 def get_runtime(backend: str | None = None) -> Runtime:
-    """This process's runtime for ``backend`` (default: ``overlap.backend``), made on first use."""
+    """This process's runtime for ``backend`` (default: ``overlap.backend``), made on first use.
+
+    On a distributed worker with an :class:`~dask_overlap.OverlapPlugin`, the plugin's
+    runtime instead, when ``backend`` is ``None``, ``"auto"`` or the plugin's backend.
+    """
+    rt = _plugin_runtime(backend)
+    if rt is not None:
+        return rt
     name = resolve_backend(backend if backend is not None else Options.from_config().backend)
     with _runtimes_lock:
         rt = _runtimes.get(name)
@@ -105,6 +123,7 @@ def runtime_stats(backend: str | None = None) -> dict[str, Any]:
     that exists. Includes ``backend``, ``partitions``, ``sub_chunks``, ``bytes_h2d``,
     ``bytes_d2h``, ``in_flight``, ``pinned_bytes_in_use``, ``device_bytes_in_use``,
     ``pinned_fallbacks`` and ``backpressure_seconds``. Zeros when no runtime exists yet.
+    On a worker with an :class:`~dask_overlap.OverlapPlugin`, the plugin's runtime.
 
     Examples
     --------
@@ -112,6 +131,9 @@ def runtime_stats(backend: str | None = None) -> dict[str, Any]:
     >>> dask_overlap.runtime_stats()["in_flight"]
     0
     """
+    plugin_rt = _plugin_runtime(backend)
+    if plugin_rt is not None:
+        return plugin_rt.stats()
     with _runtimes_lock:
         if backend is not None:
             rt = _runtimes.get(resolve_backend(backend))

@@ -1,0 +1,166 @@
+"""The worker plugin: each distributed worker's runtime, built in ``setup``, closed in ``teardown``.
+
+A partition task finds its worker's runtime through :func:`worker_runtime` (called by
+:func:`~dask_overlap.get_runtime`), so every partition a worker runs shares that worker's
+streams and pools, and the pools' bounds hold for the whole worker. Where there is no
+distributed worker (the threaded scheduler) tasks use the per-process runtime instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from distributed import WorkerPlugin
+from distributed.worker import get_worker
+
+from .config import Options
+from .runtime import Runtime
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+__all__ = ["OverlapPlugin", "resolve_options", "worker_runtime"]
+
+# How long teardown waits for partitions still running before it closes the pools: a
+# worker closes its plugins before its executor, and a pool must not be released under
+# an asynchronous copy.
+_DRAIN_SECONDS = 30.0
+
+# The runtimes that plugins built in this process, by worker (id of the Worker object):
+# one per worker, since a worker holds at most one plugin of a given name.
+_live: dict[int, Runtime] = {}
+_live_lock = threading.Lock()
+
+
+def resolve_options(options: Options | None = None, **overrides: Any) -> Options:
+    """``options`` (or ``Options.from_config()``) with non-``None`` ``overrides`` applied.
+
+    Every value is validated by :meth:`Options.from_config`, so the plugin, the cluster
+    and the CLI resolve options the same way and fail on the client, before any worker
+    starts.
+
+    Examples
+    --------
+    >>> resolve_options(in_flight=2).in_flight
+    2
+    >>> resolve_options(resolve_options(backend="host"), streams=3).backend
+    'host'
+    """
+    if options is None:
+        return Options.from_config(**overrides)
+    if not isinstance(options, Options):
+        raise TypeError(f"options must be a dask_overlap.Options, got {type(options).__name__}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if not given:
+        return options
+    values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    return Options.from_config(**{**values, **given})
+
+
+def _serves(rt: Runtime, backend: str | None) -> bool:
+    return backend in (None, "auto", rt.options.backend, rt.name)
+
+
+def worker_runtime(backend: str | None = None) -> Runtime | None:
+    """The runtime an :class:`OverlapPlugin` built for the current worker, if it serves ``backend``.
+
+    Inside a task, the runtime of the worker running it. Outside a task (``client.run``,
+    a thread a task started) the runtime of this process's only plugin-bearing worker.
+    ``None`` when there is none, or when ``backend`` names a backend other than the
+    plugin's (``None`` and ``"auto"`` accept the plugin's backend).
+
+    Examples
+    --------
+    >>> worker_runtime() is None  # no distributed worker here
+    True
+    """
+    try:
+        worker = get_worker()
+    except ValueError:
+        worker = None
+    with _live_lock:
+        if worker is not None:
+            rt = _live.get(id(worker))
+        elif len(_live) == 1:
+            rt = next(iter(_live.values()))
+        else:
+            rt = None
+    if rt is None or rt.closed or not _serves(rt, backend):
+        return None
+    return rt
+
+
+class OverlapPlugin(WorkerPlugin):
+    """Gives each worker its own runtime: streams, pinned and device pools, staging threads.
+
+    The options are resolved and validated here, on the client, and travel with the
+    plugin, so every worker gets the same ones whatever its own configuration says. The
+    runtime is built in :meth:`setup` (off the worker's event loop, since allocating
+    pinned memory can take seconds) and closed in :meth:`teardown`, when the plugin is
+    unregistered or the worker closes. Partition tasks whose backend is ``"auto"`` or the
+    plugin's use it; others fall back to the per-process runtime.
+
+    Parameters
+    ----------
+    options
+        Resolved options; ``Options.from_config()`` when omitted.
+    **overrides
+        Option values (the fields of :class:`~dask_overlap.Options`) that override
+        ``options`` or the configuration.
+
+    Examples
+    --------
+    >>> from dask_overlap import OverlapPlugin
+    >>> plugin = OverlapPlugin(backend="host", in_flight=2)
+    >>> plugin.options.in_flight
+    2
+    >>> client.register_plugin(plugin)  # doctest: +SKIP
+    """
+
+    name = "overlap"
+    idempotent = False
+
+    def __init__(self, options: Options | None = None, **overrides: Any):
+        self.options = resolve_options(options, **overrides)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(backend={self.options.backend!r})"
+
+    async def setup(self, worker: Worker) -> None:
+        rt = await asyncio.to_thread(Runtime, self.options)
+        with _live_lock:
+            old = _live.pop(id(worker), None)
+            _live[id(worker)] = rt
+        if old is not None:  # pragma: no cover - a worker removes its old plugin first
+            await asyncio.to_thread(old.close)
+        worker.log_event(self.name, {"action": "setup", "backend": rt.name})
+
+    async def teardown(self, worker: Worker) -> None:
+        with _live_lock:
+            rt = _live.pop(id(worker), None)
+        if rt is None:
+            return
+        stats = await asyncio.to_thread(_drain_and_close, rt)
+        try:
+            worker.log_event(self.name, {"action": "teardown", "closed": rt.closed, **stats})
+        except Exception:  # the worker may be closing and its stream to the scheduler gone
+            pass
+
+    def runtime(self, worker: Worker) -> Runtime | None:
+        """The runtime this plugin built for ``worker`` (``None`` before setup, after teardown)."""
+        with _live_lock:
+            return _live.get(id(worker))
+
+
+def _drain_and_close(rt: Runtime) -> dict[str, Any]:
+    deadline = time.monotonic() + _DRAIN_SECONDS
+    while rt.counters.partitions_active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = rt.stats()  # before close: a closed backend need not answer
+    rt.close()
+    keys = ("backend", "partitions", "in_flight", "pinned_bytes_in_use", "device_bytes_in_use")
+    return {k: stats[k] for k in keys}
