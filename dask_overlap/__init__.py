@@ -7,13 +7,21 @@ with no GPU, over NumPy. Importing this package touches no GPU.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from . import config as _config  # registers the overlap.* defaults with dask.config
 from .array import map_blocks
 from .config import Options, TimedModel
 from .runtime import Runtime, close_runtimes, get_runtime, runtime_stats
 
+if TYPE_CHECKING:
+    from .cluster import LocalGPUCluster
+    from .plugin import OverlapPlugin
+
 __all__ = [
+    "LocalGPUCluster",
     "Options",
+    "OverlapPlugin",
     "Runtime",
     "TimedModel",
     "close_runtimes",
@@ -23,3 +31,17 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 del _config
+
+
+def __getattr__(name: str) -> Any:
+    # The distributed integration loads on first use: importing distributed configures
+    # its logging, which importing this package must not do.
+    if name == "OverlapPlugin":
+        from .plugin import OverlapPlugin
+
+        return OverlapPlugin
+    if name == "LocalGPUCluster":
+        from .cluster import LocalGPUCluster
+
+        return LocalGPUCluster
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,288 @@
+"""One worker per GPU: :class:`LocalGPUCluster`, and the worker layout it shares with the CLI.
+
+Each worker is its own process with its own ``CUDA_VISIBLE_DEVICES``, rotated so that
+worker *i* sees GPU *i* first (as dask-cuda does), and carries an
+:class:`~dask_overlap.OverlapPlugin` that builds its runtime. GPUs are counted without
+initialising CUDA in this process: from ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``,
+else CuPy in a subprocess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from distributed import LocalCluster
+from distributed.worker_memory import parse_memory_limit
+
+from .config import Options, check_positive_int
+from .plugin import OverlapPlugin, resolve_options
+
+__all__ = [
+    "CPU_WORKERS",
+    "THREADS_PER_WORKER",
+    "LocalGPUCluster",
+    "WorkerLayout",
+    "plan_workers",
+    "visible_gpus",
+]
+
+# Partitions a worker runs at once. Two let one partition's copies overlap another's
+# kernel on the same GPU; more mostly add pinned memory held by partitions in flight.
+THREADS_PER_WORKER = 2
+
+# Workers of a CPU-path cluster (allow_cpu=True on a machine with no GPU).
+CPU_WORKERS = 2
+
+logger = logging.getLogger(__name__)
+
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
+_NO_GPU = (
+    "no GPU is visible (CUDA_VISIBLE_DEVICES is {cvd}, and neither nvidia-smi nor CuPy "
+    "reports a device); pass allow_cpu=True (--allow-cpu) for CPU workers on the host "
+    "backend"
+)
+
+
+def parse_devices(value: str | Sequence[str | int]) -> list[str]:
+    """Device ids from a ``CUDA_VISIBLE_DEVICES`` string (or a sequence of ids).
+
+    As CUDA does, the list ends at the first ``-1``; ids may be indices or UUIDs.
+
+    Examples
+    --------
+    >>> parse_devices("0, 2,1")
+    ['0', '2', '1']
+    >>> parse_devices("-1")
+    []
+    """
+    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    out = []
+    for item in (s.strip() for s in items):
+        if not item or item == "-1":
+            break
+        out.append(item)
+    return out
+
+
+def _parse_nvidia_smi(text: str) -> list[str]:
+    # "GPU 0: NVIDIA H200 (UUID: GPU-...)"; MIG instances are indented and not counted.
+    return [m.group(1) for m in re.finditer(r"^GPU (\d+):", text, re.MULTILINE)]
+
+
+def visible_gpus() -> list[str]:
+    """Ids of the GPUs this machine shows, found without initialising CUDA here.
+
+    ``CUDA_VISIBLE_DEVICES`` when set, else the GPUs ``nvidia-smi -L`` lists, else the
+    count CuPy reports in a subprocess; ``[]`` when none of them finds a device.
+
+    Examples
+    --------
+    >>> import os
+    >>> os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"
+    >>> visible_gpus()
+    ['0', '1']
+    >>> del os.environ["CUDA_VISIBLE_DEVICES"]
+    """
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return parse_devices(os.environ["CUDA_VISIBLE_DEVICES"])
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        return _parse_nvidia_smi(out)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if importlib.util.find_spec("cupy") is None:
+        return []
+    code = "import cupy; print(cupy.cuda.runtime.getDeviceCount())"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        ).stdout
+        return [str(i) for i in range(int(out.strip().splitlines()[-1]))]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerLayout:
+    """How many workers to start, which GPUs each sees, and the options of their plugin.
+
+    Built by :func:`plan_workers`. ``devices`` is empty for a CPU-path layout.
+    """
+
+    n_workers: int
+    devices: tuple[str, ...]
+    options: Options
+
+    def env(self, i: int) -> dict[str, str]:
+        """Environment of worker ``i``: its GPU first, then the others in turn.
+
+        Workers beyond the number of GPUs share them in turn (``i`` modulo the count).
+
+        Examples
+        --------
+        >>> layout = WorkerLayout(3, ("0", "1", "2"), Options.from_config())
+        >>> layout.env(1)
+        {'CUDA_VISIBLE_DEVICES': '1,2,0'}
+        """
+        if not self.devices:
+            return {}
+        k = i % len(self.devices)
+        rotated = self.devices[k:] + self.devices[:k]
+        # A device listed twice (two workers on one GPU) must not repeat in one list.
+        return {"CUDA_VISIBLE_DEVICES": ",".join(dict.fromkeys(rotated))}
+
+
+def plan_workers(
+    n_workers: int | None = None,
+    *,
+    cuda_visible_devices: str | Sequence[str | int] | None = None,
+    allow_cpu: bool = False,
+    options: Options | None = None,
+) -> WorkerLayout:
+    """Decide the workers of this machine: one per GPU, or CPU workers when allowed.
+
+    Parameters
+    ----------
+    n_workers
+        Workers to start; default one per GPU (``CPU_WORKERS`` on the CPU path). More
+        workers than GPUs share them in turn.
+    cuda_visible_devices
+        GPUs to use (a ``CUDA_VISIBLE_DEVICES`` string or a sequence of ids); default
+        :func:`visible_gpus`.
+    allow_cpu
+        With no GPU, plan CPU workers on the host backend instead of raising.
+    options
+        Options of the workers' plugin. With GPUs, ``backend="auto"`` becomes ``"cuda"``;
+        on the CPU path it becomes ``"host"``.
+
+    Examples
+    --------
+    >>> layout = plan_workers(cuda_visible_devices="", allow_cpu=True)
+    >>> layout.n_workers, layout.options.backend
+    (2, 'host')
+    """
+    options = resolve_options(options)
+    if n_workers is not None:
+        n_workers = check_positive_int("n_workers", n_workers)
+    if cuda_visible_devices is None:
+        devices = visible_gpus()
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+        cvd = "unset" if cvd is None else repr(cvd)
+    else:
+        devices = parse_devices(cuda_visible_devices)
+        cvd = f"given as {cuda_visible_devices!r}"
+    if devices:
+        if options.backend == "auto":
+            options = dataclasses.replace(options, backend="cuda")
+        if options.backend == "cuda" and importlib.util.find_spec("cupy") is None:
+            raise ImportError(
+                f"found {len(devices)} GPU(s) but CuPy is not installed: "
+                "pip install 'dask_overlap[cuda13]' (or [cuda12])"
+            )
+        return WorkerLayout(n_workers or len(devices), tuple(devices), options)
+    if not allow_cpu:
+        raise RuntimeError(_NO_GPU.format(cvd=cvd))
+    if options.backend == "cuda":
+        raise ValueError(f"backend='cuda' was asked for, but {_NO_GPU.format(cvd=cvd)}")
+    if options.backend == "auto":
+        options = dataclasses.replace(options, backend="host")
+    return WorkerLayout(n_workers or CPU_WORKERS, (), options)
+
+
+class LocalGPUCluster(LocalCluster):
+    """A :class:`distributed.LocalCluster` with one worker process per GPU, each with the plugin.
+
+    Worker *i* sees GPU *i* first in its ``CUDA_VISIBLE_DEVICES`` and runs
+    ``threads_per_worker`` partitions at once, all sharing its runtime (built by an
+    :class:`~dask_overlap.OverlapPlugin` passed to every worker, so workers added later by
+    ``scale`` get it too). On a machine with no GPU it raises, unless ``allow_cpu=True``:
+    then it starts ``CPU_WORKERS`` workers on the host backend.
+
+    Parameters
+    ----------
+    n_workers
+        Default one per GPU; more than the GPUs share them in turn (two workers on one GPU
+        exercise the multi-worker path on one card).
+    threads_per_worker
+        Partitions in flight per worker (default ``THREADS_PER_WORKER``).
+    cuda_visible_devices
+        GPUs to use; default those this machine shows (see :func:`visible_gpus`).
+    allow_cpu
+        On a machine with no GPU, start CPU workers on the host backend.
+    options
+        Options of the workers' runtimes; ``Options.from_config()`` when omitted.
+    memory_limit
+        Per worker; ``"auto"`` shares this machine's memory among the workers.
+    **kwargs
+        Option overrides (the fields of :class:`~dask_overlap.Options`, e.g.
+        ``in_flight=2``), then anything :class:`distributed.LocalCluster` accepts.
+
+    Examples
+    --------
+    >>> from dask_overlap import LocalGPUCluster
+    >>> from distributed import Client
+    >>> cluster = LocalGPUCluster()  # doctest: +SKIP
+    >>> client = Client(cluster)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        n_workers: int | None = None,
+        threads_per_worker: int | None = None,
+        *,
+        cuda_visible_devices: str | Sequence[str | int] | None = None,
+        allow_cpu: bool = False,
+        options: Options | None = None,
+        memory_limit: str | float | int | None = "auto",
+        **kwargs: Any,
+    ):
+        if "processes" in kwargs and not kwargs.pop("processes"):
+            raise ValueError("LocalGPUCluster runs one process per worker; processes=False")
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTION_NAMES}
+        self.layout = plan_workers(
+            n_workers,
+            cuda_visible_devices=cuda_visible_devices,
+            allow_cpu=allow_cpu,
+            options=resolve_options(options, **overrides),
+        )
+        self.plugin = OverlapPlugin(self.layout.options)
+        plugins = (*kwargs.pop("plugins", ()), self.plugin)
+        threads = THREADS_PER_WORKER if threads_per_worker is None else threads_per_worker
+        if memory_limit is not None:
+            memory_limit = parse_memory_limit(memory_limit, 1, self.layout.n_workers, logger=logger)
+        # Start with no workers: LocalCluster gives all its workers one spec, and each of
+        # ours needs its own environment; new_worker_spec makes them, here and on scale.
+        super().__init__(
+            n_workers=0,
+            threads_per_worker=threads,
+            processes=True,
+            memory_limit=memory_limit,
+            plugins=plugins,
+            **kwargs,
+        )
+        self.scale(self.layout.n_workers)
+        if not self.asynchronous:
+            try:
+                self.sync(self._correct_state)
+            except BaseException:
+                self.close()
+                raise
+
+    def new_worker_spec(self) -> dict[int, dict[str, Any]]:
+        """The next worker's spec: the lowest free index, with its GPU's environment."""
+        i = 0
+        while i in self.worker_spec:
+            i += 1
+        options = dict(self.new_spec["options"])
+        options["env"] = {**(options.get("env") or {}), **self.layout.env(i)}
+        return {i: {"cls": self.new_spec["cls"], "options": options}}
