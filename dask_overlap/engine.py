@@ -137,6 +137,10 @@ class Pipeline:
     staged
         Whether sub-chunks start with :attr:`Stage.STAGE` (pageable input) or go
         straight to :attr:`Stage.H2D`. A sequence gives the choice per sub-chunk.
+    stream_ordered
+        When true, H2D, COMPUTE and D2H of a sub-chunk are issued together as soon as it
+        is staged: they go to one in-order stream, so the device never waits for the
+        submitter between them. Their completions must still arrive in stage order.
 
     Examples
     --------
@@ -147,7 +151,13 @@ class Pipeline:
     (True, 1)
     """
 
-    def __init__(self, n_sub_chunks: int, in_flight: int, staged: bool | Sequence[bool]):
+    def __init__(
+        self,
+        n_sub_chunks: int,
+        in_flight: int,
+        staged: bool | Sequence[bool],
+        stream_ordered: bool = False,
+    ):
         if n_sub_chunks < 1:
             raise ValueError(f"n_sub_chunks must be >= 1, got {n_sub_chunks}")
         if in_flight < 1:
@@ -157,6 +167,7 @@ class Pipeline:
         if isinstance(staged, bool):
             staged = [staged] * n_sub_chunks
         self._staged = list(staged)
+        self.stream_ordered = stream_ordered
         if len(self._staged) != n_sub_chunks:
             raise ValueError("staged must have one entry per sub-chunk")
         self._next_admit = 0
@@ -217,7 +228,11 @@ class Pipeline:
         self.history.append((event.index, event.stage))
         if self.error is not None:
             # Draining after a failure: let what was started finish, start nothing new.
-            del self._waiting[event.index]
+            # Stream-ordered stages already queued behind this one will still report.
+            if self.stream_ordered and event.stage in (Stage.H2D, Stage.COMPUTE):
+                self._waiting[event.index] = _NEXT[event.stage]
+            else:
+                del self._waiting[event.index]
             return []
         if event.stage == Stage.D2H:
             del self._waiting[event.index]
@@ -225,7 +240,14 @@ class Pipeline:
             return self._admit()
         nxt = _NEXT[event.stage]
         self._waiting[event.index] = nxt
-        return [Action(nxt, event.index)]
+        if self.stream_ordered and event.stage != Stage.STAGE:
+            return []  # already issued with its H2D
+        return self._issue(nxt, event.index)
+
+    def _issue(self, stage: Stage, i: int) -> list[Action]:
+        if self.stream_ordered and stage == Stage.H2D:
+            return [Action(Stage.H2D, i), Action(Stage.COMPUTE, i), Action(Stage.D2H, i)]
+        return [Action(stage, i)]
 
     def _admit(self) -> list[Action]:
         actions = []
@@ -234,6 +256,6 @@ class Pipeline:
             self._next_admit += 1
             first = Stage.STAGE if self._staged[i] else Stage.H2D
             self._waiting[i] = first
-            actions.append(Action(first, i))
+            actions.extend(self._issue(first, i))
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         return actions

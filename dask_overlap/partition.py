@@ -28,6 +28,8 @@ from .engine import Action, Done, Failed, Pipeline, Plan, Stage, plan_sub_chunks
 
 __all__ = ["PartitionSpec", "run_partition"]
 
+_SKIPPED = object()  # what a stage returns when an earlier stage of its sub-chunk failed
+
 
 @dataclasses.dataclass(frozen=True)
 class PartitionSpec:
@@ -82,6 +84,8 @@ class _PartitionRun:
         self.dev_bytes: dict[int, int] = {}
         self.streams: dict[int, Any] = {}
         self.out: Any = None
+        self._out_lock = threading.Lock()
+        self.failed: set[int] = set()
 
     # -- planning ---------------------------------------------------------------------
     def _plan(self) -> tuple[dict[int, int | None], Plan]:
@@ -155,7 +159,7 @@ class _PartitionRun:
         for i in range(n):
             self.host_in[i] = self._inputs(i)
         staged = [any(self._needs_staging(x) for x in self.host_in[i]) for i in range(n)]
-        pipe = Pipeline(n, self.spec.in_flight, staged)
+        pipe = Pipeline(n, self.spec.in_flight, staged, stream_ordered=True)
         counters.add(sub_chunks=n)
         in_flight = 0
         waited = 0.0
@@ -206,7 +210,12 @@ class _PartitionRun:
 
     def _completion(self, stage: Stage, i: int, store: Callable[[Any], None] | None = None):
         def on_done(result: Any, error: BaseException | None) -> None:
+            if result is _SKIPPED:
+                return
             if error is not None:
+                # Marked before the event is posted: the stages of ``i`` already queued
+                # behind this one on its stream see it and do nothing.
+                self.failed.add(i)
                 self._post(Failed(stage, i, error))
                 return
             if store is not None:
@@ -244,16 +253,17 @@ class _PartitionRun:
         fut = self.rt.staging.submit(work)
         fut.add_done_callback(lambda f: self._completion(Stage.STAGE, i)(None, f.exception()))
 
+    # H2D, COMPUTE and D2H of a sub-chunk are queued on its stream together (the engine
+    # is stream-ordered), so each reads what the stage before it stored when it *runs*.
     def _copy_in(self, i: int) -> None:
-        stream = self.streams[i] = self.rt.next_stream()
+        stream = self.streams[i] = self.rt.acquire_stream()
         backend = self.backend
 
         def work() -> list[Any]:
             t0 = time.perf_counter()
-            copies = [
-                x if backend.is_device(x) else backend.copy_in(stream, x) for x in self.host_in[i]
-            ]
-            moved = sum(x.nbytes for x in self.host_in[i] if not backend.is_device(x))
+            inputs = self.host_in[i]
+            copies = [x if backend.is_device(x) else backend.copy_in(stream, x) for x in inputs]
+            moved = sum(x.nbytes for x in inputs if not backend.is_device(x))
             self.dev_bytes[i] = moved
             self.rt.counters.add(bytes_h2d=moved, device_bytes_in_flight=moved)
             self.rt.counters.add_busy("h2d", time.perf_counter() - t0)
@@ -263,15 +273,17 @@ class _PartitionRun:
 
     def _compute(self, i: int) -> None:
         stream = self.streams[i]
-        args = list(self.args)
-        for p, d in zip(self.spec.array_positions, self.dev_in[i], strict=True):
-            args[p] = d
         kwargs = self.kwargs
         if self.spec.block_info is not None:
             kwargs = dict(kwargs, block_info=self._block_info(i))
 
         def work() -> Any:
+            if i in self.failed:
+                return _SKIPPED
             t0 = time.perf_counter()
+            args = list(self.args)
+            for p, d in zip(self.spec.array_positions, self.dev_in[i], strict=True):
+                args[p] = d
             result = self.backend.compute(stream, self.func, args, kwargs)
             self.rt.counters.add_busy("compute", time.perf_counter() - t0)
             return result
@@ -282,20 +294,23 @@ class _PartitionRun:
 
     def _copy_out(self, i: int) -> None:
         stream = self.streams[i]
-        result = self._check_result(i)
-        sub = self.plan.sub_chunks[i]
-        ax = self.spec.out_split_axis
-        dest = self.out if len(self.plan) == 1 else self.out[_along(ax, sub.start, sub.stop)]
         counters = self.rt.counters
 
-        def work() -> None:
+        def work() -> Any:
+            if i in self.failed:
+                return _SKIPPED
             t0 = time.perf_counter()
+            result, dest = self._check_result(i)
             self.backend.copy_out(stream, result, dest)
             counters.add(bytes_d2h=result.nbytes)
             counters.add_busy("d2h", time.perf_counter() - t0)
+            return None
 
-        def on_done(_: Any, error: BaseException | None) -> None:
+        def on_done(result: Any, error: BaseException | None) -> None:
+            if result is _SKIPPED:
+                return
             if error is not None:
+                self.failed.add(i)
                 self._post(Failed(Stage.D2H, i, error))
             else:
                 stream.on_complete(lambda: self._post(Done(Stage.D2H, i)))
@@ -306,7 +321,8 @@ class _PartitionRun:
     def _where(self) -> str:
         return f"partition {self.spec.key!r}"
 
-    def _check_result(self, i: int) -> Any:
+    def _check_result(self, i: int) -> tuple[Any, np.ndarray]:
+        """The validated device result of sub-chunk ``i`` and where in the output it goes."""
         raw = self.dev_out[i]
         result = self.backend.as_result(raw)
         if result is None:
@@ -326,24 +342,31 @@ class _PartitionRun:
                     f"of {self._where()} gave an output of shape {tuple(result.shape)}, "
                     f"expected extent {sub.extent} along axis {ax}"
                 )
-        if self.out is None:
-            shape = list(result.shape)
-            if ax is not None and len(self.plan) > 1:
-                shape[ax] = self.plan.extent
-            self.out = self._allocate_output(tuple(shape), result.dtype)
-        else:
-            expected = list(self.out.shape)
-            got_shape = list(result.shape)
-            if ax is not None and len(self.plan) > 1:
-                expected[ax] = got_shape[ax] = sub.extent
-            if result.dtype != self.out.dtype or got_shape != expected:
-                raise ValueError(
-                    f"{self.spec.func_name} returned dtype {result.dtype} and shape "
-                    f"{tuple(result.shape)} for sub-chunk rows [{sub.start}:{sub.stop}] of "
-                    f"{self._where()}, but an earlier sub-chunk gave dtype {self.out.dtype} "
-                    f"and shape {tuple(expected)}"
-                )
-        return result
+        with self._out_lock:
+            if self.out is None:
+                shape = list(result.shape)
+                if ax is not None and len(self.plan) > 1:
+                    shape[ax] = self.plan.extent
+                self.out = self._allocate_output(tuple(shape), result.dtype)
+                return result, self._dest(i)
+        expected = list(self.out.shape)
+        got_shape = list(result.shape)
+        if ax is not None and len(self.plan) > 1:
+            expected[ax] = got_shape[ax] = sub.extent
+        if result.dtype != self.out.dtype or got_shape != expected:
+            raise ValueError(
+                f"{self.spec.func_name} returned dtype {result.dtype} and shape "
+                f"{tuple(result.shape)} for sub-chunk rows [{sub.start}:{sub.stop}] of "
+                f"{self._where()}, but another sub-chunk gave dtype {self.out.dtype} "
+                f"and shape {tuple(expected)}"
+            )
+        return result, self._dest(i)
+
+    def _dest(self, i: int) -> np.ndarray:
+        if len(self.plan) == 1:
+            return self.out
+        sub = self.plan.sub_chunks[i]
+        return self.out[_along(self.spec.out_split_axis, sub.start, sub.stop)]
 
     def _allocate_output(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -356,6 +379,9 @@ class _PartitionRun:
         return block.view(dtype).reshape(shape)
 
     def _release(self, i: int) -> None:
+        stream = self.streams.pop(i, None)
+        if stream is not None:
+            self.rt.release_stream(stream)
         self.host_in.pop(i, None)
         self.held.pop(i, None)
         self.dev_in.pop(i, None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import sys
-import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -43,14 +42,27 @@ class Runtime:
             self.options.staging_threads, thread_name_prefix=f"overlap-{self.name}-staging"
         )
         self.counters = Counters()
-        self._stream_turn = itertools.count()
+        # Sub-chunks currently holding each stream: a stream is in-order, so a sub-chunk
+        # queued behind another's copy waits even when its own engine is idle. Leasing the
+        # least-loaded stream keeps that head-of-line blocking to when every stream is busy.
+        self._leases = [0] * len(self.streams)
+        self._turn = 0
         self._lock = threading.Lock()
         self.closed = False
 
-    def next_stream(self) -> Stream:
-        """The pool's streams in turn, so concurrent sub-chunks and partitions spread."""
+    def acquire_stream(self) -> Stream:
+        """Lease the least-loaded stream of the pool (ties go round-robin)."""
         with self._lock:
-            return self.streams[next(self._stream_turn) % len(self.streams)]
+            n = len(self.streams)
+            start = self._turn = (self._turn + 1) % n
+            best = min(range(start, start + n), key=lambda j: self._leases[j % n]) % n
+            self._leases[best] += 1
+            return self.streams[best]
+
+    def release_stream(self, stream: Stream) -> None:
+        """End a lease taken with :meth:`acquire_stream`."""
+        with self._lock:
+            self._leases[self.streams.index(stream)] -= 1
 
     def stats(self) -> dict[str, Any]:
         """Counters plus the pools' current occupancy (see :func:`runtime_stats`)."""

@@ -1,0 +1,128 @@
+"""Stage ceilings for the benchmark's bound, measured (or modelled) in the same run.
+
+``measure_ceilings(rt, block, workload, ratio, make_kernel)`` returns the rates in bytes
+per second (``h2d``, ``d2h``, ``both`` when the two directions were measured together,
+``staging`` for pageable input), the kernel's seconds for one partition, and the kernel
+iterations chosen so that the kernel takes ``ratio`` times one partition's H2D copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+__all__ = ["measure_ceilings"]
+
+
+def _best(fn: Callable[[], Any], repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _iterations(one_pass: float, base: float, target: float) -> int:
+    """Iterations of the kernel loop so that ``base + n * one_pass`` is about ``target``."""
+    if target <= base or one_pass <= 0:
+        return 0
+    return max(0, round((target - base) / one_pass))
+
+
+def _parallel_copy_rate(src: np.ndarray, dst: np.ndarray, threads: int) -> float:
+    """Bytes per second of ``threads`` threads copying ``src`` into ``dst`` in slices."""
+    parts = np.array_split(np.arange(src.shape[0]), threads)
+
+    def copy(idx: np.ndarray) -> None:
+        if len(idx):
+            np.copyto(dst[idx[0] : idx[-1] + 1], src[idx[0] : idx[-1] + 1])
+
+    with ThreadPoolExecutor(threads) as ex:
+        seconds = _best(lambda: list(ex.map(copy, parts)))
+    return src.nbytes / seconds
+
+
+def _timed(rt: Any, block: np.ndarray, ratio: float) -> tuple[dict, float, int]:
+    m = rt.backend.model
+    ceilings = {
+        "h2d": m.h2d_bandwidth,
+        "d2h": m.d2h_bandwidth,
+        "staging": m.staging_bandwidth * rt.options.staging_threads,
+    }
+    return ceilings, m.kernel_time(block.nbytes), 0
+
+
+def _host(rt: Any, block: np.ndarray, ratio: float, make_kernel: Callable) -> tuple:
+    dst = np.empty_like(block)
+    copy = block.nbytes / _best(lambda: np.copyto(dst, block))
+    ceilings = {"h2d": copy, "d2h": copy, "staging": copy}
+    base = _best(lambda: make_kernel(0)(block))
+    one = _best(lambda: make_kernel(1)(block)) - base
+    iterations = _iterations(one, base, ratio * block.nbytes / copy)
+    return ceilings, _best(lambda: make_kernel(iterations)(block)), iterations
+
+
+def _cuda(rt: Any, block: np.ndarray, ratio: float, make_kernel: Callable) -> tuple:
+    import cupy as cp
+
+    pool = rt.backend.pinned
+    n = block.nbytes
+    pin_in = pool.allocate(n)
+    pin_out = pool.allocate(n)
+    if pin_in is None or pin_out is None:
+        raise RuntimeError("the pinned pool cannot hold two partitions for the ceilings")
+    pin_in = pin_in.view(block.dtype).reshape(block.shape)
+    pin_out = pin_out.view(block.dtype).reshape(block.shape)
+    pin_in[...] = block
+    dev_a = cp.empty(block.shape, block.dtype)
+    dev_b = cp.empty(block.shape, block.dtype)
+    s1 = cp.cuda.Stream(non_blocking=True)
+    s2 = cp.cuda.Stream(non_blocking=True)
+
+    def timed(fn: Callable[[], None]) -> float:
+        best = float("inf")
+        for _ in range(5):
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            fn()
+            cp.cuda.Device().synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    h2d = n / timed(lambda: dev_a.set(pin_in, stream=s1))
+    d2h = n / timed(lambda: dev_b.get(stream=s2, out=pin_out, blocking=False))
+
+    def both() -> None:
+        dev_a.set(pin_in, stream=s1)
+        dev_b.get(stream=s2, out=pin_out, blocking=False)
+
+    both_rate = 2 * n / timed(both)
+    staging = _parallel_copy_rate(block, pin_out, rt.options.staging_threads)
+
+    def kernel_seconds(iterations: int) -> float:
+        k = make_kernel(iterations)
+        k(dev_a)  # compile
+        return timed(lambda: k(dev_a))
+
+    base = kernel_seconds(0)
+    one = (kernel_seconds(8) - base) / 8
+    iterations = _iterations(one, base, ratio * n / h2d)
+    ceilings = {"h2d": h2d, "d2h": d2h, "both": both_rate, "staging": staging}
+    return ceilings, kernel_seconds(iterations), iterations
+
+
+def measure_ceilings(
+    rt: Any, block: np.ndarray, workload: str, ratio: float, make_kernel: Callable
+) -> tuple[dict, float, int]:
+    """See the module docstring; ``block`` is one partition of the input."""
+    name = rt.backend.name
+    if name == "timed":
+        return _timed(rt, block, ratio)
+    if name == "cuda":
+        return _cuda(rt, block, ratio, make_kernel)
+    return _host(rt, block, ratio, make_kernel)
