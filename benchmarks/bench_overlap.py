@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         "backpressure_seconds": after["backpressure_seconds"] - before["backpressure_seconds"],
     }
     rows_out = [
-        ("naive Dask (best threads=%d)" % naive_best_t, result["naive_gbps"]),
+        (f"naive Dask (best threads={naive_best_t})", result["naive_gbps"]),
         ("dask_overlap", result["overlap_gbps"]),
         (f"bound ({bound_stage})", result["bound_gbps"]),
     ]

@@ -9,6 +9,7 @@ through this process's (or this worker's) runtime.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from numbers import Integral
 from typing import Any
@@ -132,6 +133,19 @@ class _PartitionTaskWithInfo(_PartitionTask):
         return self._run(args, block_id, block_info, kwargs)
 
 
+def _guard_gpu_kernels() -> None:
+    """Before Dask pickles ``func``: CuPy kernels it closes over must not be copied in-process
+    (see :func:`dask_overlap.backends.cuda.guard_kernel_pickling`). Only when CuPy is
+    already imported, so CPU-only use never imports it."""
+    if "cupy" not in sys.modules:
+        return
+    try:
+        from .backends.cuda import guard_kernel_pickling
+    except ImportError:  # CuPy without RMM: the cuda backend cannot run anyway
+        return
+    guard_kernel_pickling()
+
+
 def map_blocks(
     func: Callable[..., Any],
     *arrays: Any,
@@ -192,6 +206,7 @@ def map_blocks(
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}")
     opts = Options.from_config(sub_chunk_bytes=sub_chunk_bytes, in_flight=in_flight)
+    _guard_gpu_kernels()
 
     positions = tuple(i for i, a in enumerate(arrays) if isinstance(a, da.Array))
     if not positions and chunks is None:
