@@ -1,0 +1,290 @@
+"""The ``dask overlap`` command (also ``dask-overlap`` and ``python -m dask_overlap``).
+
+``dask overlap worker SCHEDULER_ADDRESS`` starts one worker process per local GPU, each
+with an :class:`~dask_overlap.OverlapPlugin`; ``dask overlap demo`` runs the demo. The
+flags for runtime options are made from the options' schema, so each option is defined
+and documented once, in ``overlap.yaml`` and ``overlap.schema.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+import dask.config
+from distributed import Nanny
+from distributed.worker_memory import parse_memory_limit
+
+from . import __version__
+from .cluster import THREADS_PER_WORKER, WorkerLayout, plan_workers
+from .config import Options
+from .plugin import OverlapPlugin, resolve_options
+
+__all__ = ["main", "options_from_params"]
+
+logger = logging.getLogger(__name__)
+
+_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def _schema() -> dict[str, Any]:
+    with open(os.path.join(os.path.dirname(__file__), "overlap.schema.json")) as f:
+        return json.load(f)["properties"]["overlap"]["properties"]
+
+
+def _option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One ``--flag`` per runtime option but ``timed``, typed and documented by the schema."""
+    schema = _schema()
+    for field in reversed(dataclasses.fields(Options)):
+        key = field.name.replace("_", "-")
+        if key not in schema or schema[key].get("type") == "object":
+            continue
+        spec = schema[key]
+        if "enum" in spec:
+            kind: click.ParamType = click.Choice(spec["enum"])
+        elif spec.get("type") == "integer":
+            kind = click.IntRange(min=spec.get("minimum"))
+        else:
+            kind = click.STRING
+        default = dask.config.get(f"overlap.{key}")
+        command = click.option(
+            f"--{key}",
+            field.name,
+            type=kind,
+            default=None,
+            help=f"{spec.get('description', '')} [default: overlap.{key} = {default}]",
+        )(command)
+    return command
+
+
+def options_from_params(**params: Any) -> Options:
+    """The :class:`~dask_overlap.Options` that parsed ``worker`` flags stand for.
+
+    Flags left out fall back to ``overlap.*`` in the configuration, exactly as
+    :class:`~dask_overlap.OverlapPlugin` and :class:`~dask_overlap.LocalGPUCluster` do.
+
+    Examples
+    --------
+    >>> options_from_params(in_flight=3, scheduler="tcp://a:8786").in_flight
+    3
+    """
+    names = {f.name for f in dataclasses.fields(Options)}
+    return resolve_options(**{k: v for k, v in params.items() if k in names})
+
+
+@click.group(name="overlap", context_settings=_CONTEXT)
+@click.version_option(__version__, prog_name="dask_overlap")
+def main() -> None:
+    """dask_overlap: GPU workers that run each partition as an assembly line.
+
+    Runtime options come from the Dask configuration (overlap.*, e.g. the environment
+    variable DASK_OVERLAP__IN_FLIGHT=2); the flags of each command override them.
+    """
+
+
+@main.command(
+    name="worker",
+    context_settings=_CONTEXT,
+    short_help="Start one worker per local GPU, with its runtime, for a scheduler.",
+)
+@click.argument("scheduler", required=False, metavar="[SCHEDULER_ADDRESS]")
+@click.option(
+    "--scheduler-file",
+    type=click.Path(dir_okay=False),
+    help="Read the scheduler's address from this file (written by dask scheduler).",
+)
+@click.option(
+    "--n-workers",
+    type=click.IntRange(min=1),
+    help="Worker processes [default: one per GPU; 2 with --allow-cpu on a machine with no "
+    "GPU]. More workers than GPUs share them in turn.",
+)
+@click.option(
+    "--nthreads",
+    type=click.IntRange(min=1),
+    default=THREADS_PER_WORKER,
+    show_default=True,
+    help="Threads per worker: partitions in flight per GPU, sharing its runtime.",
+)
+@click.option(
+    "--cuda-visible-devices",
+    help="GPUs to use, as in CUDA_VISIBLE_DEVICES [default: every GPU this machine shows].",
+)
+@click.option(
+    "--allow-cpu",
+    is_flag=True,
+    help="On a machine with no GPU, start CPU workers (backend auto becomes host) instead "
+    "of failing.",
+)
+@click.option(
+    "--memory-limit",
+    default="auto",
+    show_default=True,
+    help="Memory per worker, e.g. 32GiB, or a fraction of this machine's; 'auto' shares "
+    "this machine's memory among the workers.",
+)
+@click.option("--name", help="Name prefix: worker i is named NAME-i [default: its address].")
+@click.option("--host", help="Address the workers listen on [default: this host's].")
+@click.option("--interface", help="Network interface the workers listen on, e.g. ib0.")
+@click.option(
+    "--local-directory", type=click.Path(file_okay=False), help="Directory for spilled data."
+)
+@click.option(
+    "--death-timeout",
+    type=float,
+    help="Seconds to wait for a scheduler before giving up [default: forever].",
+)
+@click.option(
+    "--dashboard/--no-dashboard",
+    default=True,
+    show_default=True,
+    help="Serve each worker's dashboard and /metrics.",
+)
+@click.option(
+    "--dashboard-address",
+    default=":0",
+    show_default=True,
+    help="Address of each worker's dashboard (:0 picks a free port).",
+)
+@_option_flags
+def worker(
+    scheduler: str | None,
+    scheduler_file: str | None,
+    n_workers: int | None,
+    nthreads: int,
+    cuda_visible_devices: str | None,
+    allow_cpu: bool,
+    memory_limit: str,
+    name: str | None,
+    host: str | None,
+    interface: str | None,
+    local_directory: str | None,
+    death_timeout: float | None,
+    dashboard: bool,
+    dashboard_address: str,
+    **option_flags: Any,
+) -> None:
+    """Start one worker per local GPU, each with its runtime, attached to SCHEDULER_ADDRESS.
+
+    For a cluster over several machines: start a scheduler with `dask scheduler`, then run
+    this on each machine. Stops cleanly on SIGINT or SIGTERM.
+    """
+    if not scheduler and not scheduler_file:
+        raise click.UsageError("give SCHEDULER_ADDRESS or --scheduler-file")
+    try:
+        layout = plan_workers(
+            n_workers,
+            cuda_visible_devices=cuda_visible_devices,
+            allow_cpu=allow_cpu,
+            options=options_from_params(**option_flags),
+        )
+        limit = parse_memory_limit(memory_limit, 1, layout.n_workers, logger=logger)
+    except (ValueError, TypeError, RuntimeError, ImportError) as e:
+        raise click.ClickException(str(e)) from None
+    where = f"GPU(s) {','.join(layout.devices)}" if layout.devices else "no GPU"
+    click.echo(
+        f"dask overlap worker: {layout.n_workers} worker(s), {nthreads} thread(s) each, "
+        f"backend {layout.options.backend}, {where}",
+        err=True,
+    )
+    common = dict(
+        scheduler_file=scheduler_file,
+        nthreads=nthreads,
+        memory_limit=limit,
+        host=host,
+        interface=interface,
+        local_directory=local_directory,
+        death_timeout=death_timeout,
+        dashboard=dashboard,
+        dashboard_address=dashboard_address,
+    )
+    try:
+        asyncio.run(_serve(scheduler, layout, name, common))
+    except TimeoutError:
+        click.echo("dask overlap worker: timed out starting or reaching the scheduler", err=True)
+        sys.exit(1)
+
+
+async def _serve(
+    scheduler: str | None, layout: WorkerLayout, name: str | None, common: dict[str, Any]
+) -> None:
+    plugin = OverlapPlugin(layout.options)
+    nannies = [
+        Nanny(
+            scheduler,
+            name=None if name is None else f"{name}-{i}",
+            env=layout.env(i),
+            plugins=(plugin,),
+            **common,
+        )
+        for i in range(layout.n_workers)
+    ]
+
+    async def run_all() -> None:
+        await asyncio.gather(*nannies)
+        await asyncio.gather(*(n.finished() for n in nannies))
+
+    signalled = asyncio.create_task(_wait_for_signal())
+    running = asyncio.create_task(run_all())
+    done, _ = await asyncio.wait({signalled, running}, return_when=asyncio.FIRST_COMPLETED)
+    if signalled in done:
+        reason = f"signal-{signalled.result()}"
+        await asyncio.gather(*(n.close(timeout=10, reason=reason) for n in nannies))
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    else:
+        signalled.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await signalled
+        running.result()
+
+
+async def _wait_for_signal() -> int:
+    """The first SIGINT or SIGTERM this process receives."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[int] = loop.create_future()
+
+    def on_signal(signum: int) -> None:
+        if not got.done():
+            got.set_result(signum)
+
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    for sig in sigs:
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+        except NotImplementedError:  # pragma: no cover - Windows
+            signal.signal(sig, lambda s, _: loop.call_soon_threadsafe(on_signal, s))
+    try:
+        return await got
+    finally:
+        for sig in sigs:
+            with contextlib.suppress(NotImplementedError):
+                loop.remove_signal_handler(sig)
+
+
+@main.command(
+    name="demo",
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+    short_help="Run the README's job on a local cluster (--help for its options).",
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def demo(args: tuple[str, ...]) -> None:
+    """Run the demo; every argument, --help included, goes to the demo's own parser."""
+    try:
+        from .demo import main as demo_main
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.demo":
+            raise
+        raise click.ClickException("this installation of dask_overlap has no demo") from None
+    sys.exit(demo_main(list(args)))
