@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs dask_overlap (with CuPy and RMM when an NVIDIA GPU is visible) and runs the
+# demo on a local cluster: on the GPU if there is one, on the CPU path otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra=""
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  cuda=$(nvidia-smi | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -n 1)
+  if [ "${cuda:-13}" -ge 13 ]; then extra="[cuda13]"; else extra="[cuda12]"; fi
+fi
+python3 -m pip install -q --disable-pip-version-check -e ".${extra}"
+exec python3 -m dask_overlap demo "$@"

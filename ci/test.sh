@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs dask_overlap with its test dependencies and runs the test suite (CPU; the
+# GPU tests are collected and skipped where no GPU is visible: run them with -m gpu).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --disable-pip-version-check -e ".[test]"
+exec python3 -m pytest -q -p no:cacheprovider "$@"
