@@ -25,15 +25,39 @@ from .host import HostBackend
 __all__ = ["TimedBackend"]
 
 
+class _Engine:
+    """One exclusive engine, modelled as a queue in virtual time.
+
+    An operation that arrives while the engine is busy starts, in the model, when the one
+    before it ends, not when the host thread wakes up to release it: the host's wake-up
+    latency (on a loaded machine, a GIL switch interval or more) is not the device's.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.free_at = 0.0
+
+    @contextlib.contextmanager
+    def run(self, seconds: float) -> Iterator[None]:
+        arrival = time.perf_counter()
+        with self.lock:
+            start = max(arrival, self.free_at)
+            yield
+            end = max(start + seconds, time.perf_counter())
+            left = end - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+            self.free_at = end
+
+
 @contextlib.contextmanager
-def _takes_at_least(seconds: float, lock: threading.Lock | None = None) -> Iterator[None]:
-    """Hold ``lock`` (if any) while the body runs, for no less than ``seconds``."""
-    with lock if lock is not None else contextlib.nullcontext():
-        start = time.perf_counter()
-        yield
-        left = seconds - (time.perf_counter() - start)
-        if left > 0:
-            time.sleep(left)
+def _takes_at_least(seconds: float) -> Iterator[None]:
+    """The body, taking no less than ``seconds`` (an engine of its own: staging threads)."""
+    start = time.perf_counter()
+    yield
+    left = seconds - (time.perf_counter() - start)
+    if left > 0:
+        time.sleep(left)
 
 
 class TimedBackend(HostBackend):
@@ -44,35 +68,34 @@ class TimedBackend(HostBackend):
     def __init__(self, pinned_pool_size: int, model: TimedModel):
         super().__init__(pinned_pool_size)
         self.model = model
-        self.h2d_engine = threading.Lock()
-        self.compute_engine = threading.Lock()
-        self.d2h_engine = threading.Lock()
-        self.default_stream = threading.Lock()
+        self.h2d_engine = _Engine()
+        self.compute_engine = _Engine()
+        self.d2h_engine = _Engine()
+        self.default_stream = _Engine()
 
     def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
         with _takes_at_least(src.nbytes / self.model.staging_bandwidth):
             super().stage(src, dst)
 
     def copy_in(self, stream: Any, host: np.ndarray) -> np.ndarray:
-        with _takes_at_least(host.nbytes / self.model.h2d_bandwidth, self.h2d_engine):
+        with self.h2d_engine.run(host.nbytes / self.model.h2d_bandwidth):
             return super().copy_in(stream, host)
 
     def compute(self, stream: Any, func: Callable[..., Any], args: list, kwargs: dict) -> Any:
         nbytes = sum(a.nbytes for a in args if isinstance(a, np.ndarray))
-        with _takes_at_least(self.model.kernel_time(nbytes), self.compute_engine):
+        with self.compute_engine.run(self.model.kernel_time(nbytes)):
             return super().compute(stream, func, args, kwargs)
 
     def copy_out(self, stream: Any, device: np.ndarray, out: np.ndarray) -> None:
-        with _takes_at_least(device.nbytes / self.model.d2h_bandwidth, self.d2h_engine):
+        with self.d2h_engine.run(device.nbytes / self.model.d2h_bandwidth):
             super().copy_out(stream, device, out)
 
     def naive(self, func: Callable[..., Any], *blocks: np.ndarray, **kwargs: Any) -> np.ndarray:
         m = self.model
         nbytes = sum(b.nbytes for b in blocks)
-        with self.default_stream:
-            with _takes_at_least(nbytes / m.pageable_h2d_bandwidth):
-                dev = [np.array(b, copy=True) for b in blocks]
-            with _takes_at_least(m.kernel_time(nbytes)):
-                out = func(*dev, **kwargs)
-            with _takes_at_least(np.asarray(out).nbytes / m.pageable_d2h_bandwidth):
-                return np.array(out, copy=True)
+        # One engine for the whole round trip: work on the legacy default stream takes turns.
+        seconds = nbytes / m.pageable_h2d_bandwidth + m.kernel_time(nbytes)
+        with self.default_stream.run(seconds + nbytes / m.pageable_d2h_bandwidth):
+            dev = [np.array(b, copy=True) for b in blocks]
+            out = func(*dev, **kwargs)
+            return np.array(out, copy=True)
