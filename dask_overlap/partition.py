@@ -14,12 +14,13 @@ can outlive its buffer.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -85,6 +86,9 @@ class _PartitionRun:
         self.streams: dict[int, Any] = {}
         self.out: Any = None
         self._out_lock = threading.Lock()
+        # Timings: host-side spans (staging) and stream marks, resolved on completion.
+        self.spans: dict[int, list[tuple[str, float, float, int]]] = {}
+        self.marks: dict[int, list[tuple[str, Any, Any, int]]] = {}
         self.failed: set[int] = set()
 
     # -- planning ---------------------------------------------------------------------
@@ -177,6 +181,7 @@ class _PartitionRun:
                 if blocked:
                     waited += time.perf_counter() - t0
                 if isinstance(event, Done) and event.stage == Stage.D2H:
+                    self._record(event.index)
                     self._release(event.index)
                 actions = pipe.handle(event)
         finally:
@@ -230,7 +235,7 @@ class _PartitionRun:
         counters = self.rt.counters
 
         def work() -> None:
-            t0 = time.perf_counter()
+            t0 = time.time()
             held, staged_bytes, fallbacks = [], 0, 0
             inputs = self.host_in[i]
             for j, x in enumerate(inputs):
@@ -248,7 +253,7 @@ class _PartitionRun:
                 staged_bytes += x.nbytes
             self.held[i] = held
             counters.add(bytes_staged=staged_bytes, pinned_fallbacks=fallbacks)
-            counters.add_busy("stage", time.perf_counter() - t0)
+            self.spans[i] = [("stage", t0, time.time(), staged_bytes)]
 
         fut = self.rt.staging.submit(work)
         fut.add_done_callback(lambda f: self._completion(Stage.STAGE, i)(None, f.exception()))
@@ -260,13 +265,12 @@ class _PartitionRun:
         backend = self.backend
 
         def work() -> list[Any]:
-            t0 = time.perf_counter()
             inputs = self.host_in[i]
-            copies = [x if backend.is_device(x) else backend.copy_in(stream, x) for x in inputs]
             moved = sum(x.nbytes for x in inputs if not backend.is_device(x))
+            with self._marked(i, "h2d", stream, moved):
+                copies = [x if backend.is_device(x) else backend.copy_in(stream, x) for x in inputs]
             self.dev_bytes[i] = moved
             self.rt.counters.add(bytes_h2d=moved, device_bytes_in_flight=moved)
-            self.rt.counters.add_busy("h2d", time.perf_counter() - t0)
             return copies
 
         stream.submit(work, self._completion(Stage.H2D, i, lambda r: self.dev_in.__setitem__(i, r)))
@@ -280,13 +284,11 @@ class _PartitionRun:
         def work() -> Any:
             if i in self.failed:
                 return _SKIPPED
-            t0 = time.perf_counter()
             args = list(self.args)
             for p, d in zip(self.spec.array_positions, self.dev_in[i], strict=True):
                 args[p] = d
-            result = self.backend.compute(stream, self.func, args, kwargs)
-            self.rt.counters.add_busy("compute", time.perf_counter() - t0)
-            return result
+            with self._marked(i, "compute", stream, self.dev_bytes.get(i, 0)):
+                return self.backend.compute(stream, self.func, args, kwargs)
 
         stream.submit(
             work, self._completion(Stage.COMPUTE, i, lambda r: self.dev_out.__setitem__(i, r))
@@ -299,11 +301,10 @@ class _PartitionRun:
         def work() -> Any:
             if i in self.failed:
                 return _SKIPPED
-            t0 = time.perf_counter()
             result, dest = self._check_result(i)
-            self.backend.copy_out(stream, result, dest)
+            with self._marked(i, "d2h", stream, result.nbytes):
+                self.backend.copy_out(stream, result, dest)
             counters.add(bytes_d2h=result.nbytes)
-            counters.add_busy("d2h", time.perf_counter() - t0)
             return None
 
         def on_done(result: Any, error: BaseException | None) -> None:
@@ -316,6 +317,22 @@ class _PartitionRun:
                 stream.on_complete(lambda: self._post(Done(Stage.D2H, i)))
 
         stream.submit(work, on_done)
+
+    @contextlib.contextmanager
+    def _marked(self, i: int, stage: str, stream: Any, nbytes: int) -> Iterator[None]:
+        """Mark the start and end of an operation in ``stream``'s order (see _record)."""
+        start = self.backend.mark(stream)
+        yield
+        self.marks.setdefault(i, []).append((stage, start, self.backend.mark(stream), nbytes))
+
+    def _record(self, i: int) -> None:
+        """Hand sub-chunk ``i``'s stage spans to the runtime; its stream work has completed."""
+        marks = self.marks.pop(i, [])
+        times = self.backend.resolve([m for _, a, b, _ in marks for m in (a, b)])
+        spans = self.spans.pop(i, [])
+        spans += [(st, times[2 * k], times[2 * k + 1], n) for k, (st, _, _, n) in enumerate(marks)]
+        stream = self.streams.get(i)
+        self.rt.record_spans(self.spec.key, i, stream, spans)
 
     # -- results, output and buffers ---------------------------------------------------
     def _where(self) -> str:

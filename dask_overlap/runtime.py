@@ -10,16 +10,31 @@ interpreter exit, or by the worker plugin's teardown.
 from __future__ import annotations
 
 import atexit
+import collections
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from .backends import Backend, Stream, make_backend, resolve_backend
 from .config import Options
 from .stats import Counters
 
-__all__ = ["Runtime", "close_runtimes", "get_runtime", "runtime_stats"]
+__all__ = ["Runtime", "Span", "close_runtimes", "get_runtime", "runtime_stats"]
+
+TIMELINE_LENGTH = 20_000
+
+
+class Span(NamedTuple):
+    """One stage of one sub-chunk as it ran: ``start``/``end`` in ``time.time()`` seconds."""
+
+    key: tuple
+    sub_chunk: int
+    stream: int  # index in the runtime's stream pool; -1 for staging threads
+    stage: str
+    start: float
+    end: float
+    nbytes: int
 
 
 class Runtime:
@@ -49,6 +64,8 @@ class Runtime:
         self._turn = 0
         self._lock = threading.Lock()
         self.closed = False
+        # The most recent stage spans, newest last: the assembly line as it ran.
+        self.timeline: collections.deque[Span] = collections.deque(maxlen=TIMELINE_LENGTH)
 
     def acquire_stream(self) -> Stream:
         """Lease the least-loaded stream of the pool (ties go round-robin)."""
@@ -63,6 +80,26 @@ class Runtime:
         """End a lease taken with :meth:`acquire_stream`."""
         with self._lock:
             self._leases[self.streams.index(stream)] -= 1
+
+    def stream_index(self, stream: Stream | None) -> int:
+        for j, s in enumerate(self.streams):
+            if s is stream:
+                return j
+        return -1
+
+    def record_spans(
+        self,
+        key: tuple,
+        sub: int,
+        stream: Stream | None,
+        spans: list[tuple[str, float, float, int]],
+    ) -> None:
+        """Keep one sub-chunk's stage spans (stage, start, end, bytes; ``time.time()``)."""
+        j = self.stream_index(stream)
+        for stage, start, end, nbytes in spans:
+            where = -1 if stage == "stage" else j
+            self.timeline.append(Span(key, sub, where, stage, start, end, nbytes))
+            self.counters.add_busy(stage, max(0.0, end - start))
 
     def stats(self) -> dict[str, Any]:
         """Counters plus the pools' current occupancy (see :func:`runtime_stats`)."""

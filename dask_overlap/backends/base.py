@@ -73,6 +73,15 @@ class Backend(Protocol):
     def naive(self, func: Callable[..., Any], *blocks: np.ndarray, **kwargs: Any) -> np.ndarray:
         """What the usual code does: copy in, compute, copy out, one step at a time."""
 
+    def mark(self, stream: Stream) -> Any:
+        """A point in ``stream``'s order (called in stream order, around each operation)."""
+
+    def resolve(self, marks: list[Any]) -> list[float]:
+        """The ``time.time()`` at which each mark was reached on the device.
+
+        Called only after the marks' stream work has completed (for CUDA: events).
+        """
+
     def device_bytes_in_use(self) -> int | None:
         """Bytes the device pool holds, when the backend can tell (else ``None``)."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,13 @@ class HostBackend:
 
     def naive(self, func: Callable[..., Any], *blocks: np.ndarray, **kwargs: Any) -> np.ndarray:
         return np.asarray(func(*[np.array(b, copy=True) for b in blocks], **kwargs))
+
+    def mark(self, stream: Any) -> float:
+        # Host streams run their work synchronously: the host clock is the device clock.
+        return time.time()
+
+    def resolve(self, marks: list[Any]) -> list[float]:
+        return list(marks)
 
     def device_bytes_in_use(self) -> int | None:
         return None
