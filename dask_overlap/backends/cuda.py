@@ -1,0 +1,511 @@
+"""The ``cuda`` backend: CuPy streams, an RMM pinned host pool and an RMM device pool.
+
+What each piece is for, and the orderings it relies on:
+
+- **Streams** are non-blocking CuPy streams. :meth:`CudaStream.submit` runs the work
+  function on the caller's thread inside ``with stream:``, so it only *enqueues*; the
+  runner's next stage on the same stream is ordered after it by the stream itself.
+  :meth:`CudaStream.on_complete` records a blocking-sync event and hands it to the
+  stream's waiter thread, which sleeps in ``cudaEventSynchronize`` (no spinning CPU) and
+  then calls the callback. So completion callbacks run on an ordinary Python thread, never
+  on a CUDA driver thread.
+- **Pinned host pool**: ``rmm.mr.PoolMemoryResource`` over
+  ``rmm.mr.PinnedHostMemoryResource``, with its whole size (``overlap.pinned-pool-size``)
+  allocated once, when the backend is built: no ``cudaHostAlloc`` per call. Blocks are
+  handed out as zero-copy NumPy views; a block goes back to RMM when its last view is
+  collected (:class:`~dask_overlap.backends.base.HostPool`). RMM's pool is stream-ordered
+  and so protects GPU work, never the host: the runner keeps every buffer of a sub-chunk
+  until the event recorded after its copy-out has completed, and only then lets go.
+- **Device pool**: one ``rmm.mr.PoolMemoryResource`` per process and device, installed as
+  CuPy's allocator (``rmm.allocators.cupy``), so kernels and copies pay no ``cudaMalloc``
+  per sub-chunk. CuPy's allocator is process-global, so this pool is too: it is created by
+  the first backend and kept for the life of the process (arrays made from it may outlive
+  any runtime).
+
+Nothing here touches CUDA at import time; everything is created by :class:`CudaBackend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cupy
+import numpy as np
+import rmm
+import rmm.mr
+from rmm.allocators.cupy import rmm_cupy_allocator
+from rmm.pylibrmm.stream import Stream as RmmStream
+
+from ..config import Options
+from .base import HostPool, OnDone
+
+__all__ = ["CudaBackend", "CudaStream", "PinnedPool", "guard_kernel_pickling"]
+
+_ALIGN = 256  # RMM pools want sizes in multiples of this
+_H2D = 1  # cudaMemcpyHostToDevice
+_D2H = 2  # cudaMemcpyDeviceToHost
+_STOP = object()
+
+
+def _align_up(n: int) -> int:
+    return (int(n) + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _rows(a: np.ndarray) -> tuple[int, int, int] | None:
+    """``a``'s memory as ``(height, width_bytes, pitch_bytes)`` rows, or ``None``.
+
+    Any slice of a C-contiguous array along one axis (a sub-chunk of a partition split
+    along axis 1, say) is such a 2-D region, which ``cudaMemcpy2DAsync`` copies directly.
+    """
+    dims = [(n, s) for n, s in zip(a.shape, a.strides, strict=True) if n != 1]
+    width = a.itemsize
+    i = len(dims) - 1
+    while i >= 0 and dims[i][1] == width:
+        width *= dims[i][0]
+        i -= 1
+    if i < 0:
+        return 1, width, width
+    height, pitch = dims[i]
+    i -= 1
+    while i >= 0 and dims[i][1] == pitch * height:
+        height *= dims[i][0]
+        i -= 1
+    if i >= 0 or pitch < width:
+        return None  # overlapping, reversed or irregular strides
+    return height, width, pitch
+
+
+class _Span:
+    """Pointer and size, as ``cupy.cuda.PinnedMemoryPointer`` wants its ``mem``."""
+
+    __slots__ = ("ptr", "size")
+
+    def __init__(self, ptr: int, size: int):
+        self.ptr = ptr
+        self.size = size
+
+
+class PinnedPool(HostPool):
+    """A :class:`HostPool` whose blocks are pinned memory from an RMM pool.
+
+    Parameters
+    ----------
+    limit
+        Bytes; the RMM pool is allocated at this size once, up front.
+    device_id
+        The device whose context allocates the pinned memory.
+    """
+
+    def __init__(self, limit: int, device_id: int):
+        super().__init__(limit)
+        self.device_id = device_id
+        self.mr: Any = None
+        self._stream: Any = None
+        if self.limit > 0:
+            size = _align_up(self.limit)
+            with cupy.cuda.Device(device_id):
+                self.mr = rmm.mr.PoolMemoryResource(
+                    rmm.mr.PinnedHostMemoryResource(),
+                    initial_pool_size=size,
+                    maximum_pool_size=size,
+                )
+                # All allocations and frees on one private stream: RMM keys its free lists
+                # by stream (and by thread for the default stream), so one stream lets any
+                # thread reuse any freed block at once, with no cross-stream event waits.
+                self._cupy_stream = cupy.cuda.Stream(non_blocking=True)
+                self._stream = RmmStream(obj=self._cupy_stream)
+
+    def _raw(self, nbytes: int) -> tuple[np.ndarray, Callable[[], None] | None]:
+        if nbytes == 0:
+            return np.empty(0, np.uint8), None
+        if self.mr is None:
+            raise MemoryError("the pinned pool has size 0")
+        mr, stream = self.mr, self._stream
+        try:
+            with cupy.cuda.Device(self.device_id):
+                ptr = mr.allocate(nbytes, stream)
+        except Exception as e:  # out of pool (or fragmented): the caller falls back
+            raise MemoryError(f"pinned pool could not serve {nbytes} bytes: {e}") from e
+        view = np.frombuffer(cupy.cuda.PinnedMemoryPointer(_Span(ptr, nbytes), 0), np.uint8, nbytes)
+        # The closure keeps the RMM pool alive until its last block has gone back.
+        return view, lambda: mr.deallocate(ptr, nbytes, stream)
+
+    def reserved(self) -> int:
+        """Bytes of pinned memory the RMM pool holds (its fixed size)."""
+        return 0 if self.mr is None else int(self.mr.pool_size())
+
+
+class CudaStream:
+    """A non-blocking CUDA stream plus a waiter thread for completion callbacks."""
+
+    def __init__(self, device_id: int, name: str):
+        self.device_id = device_id
+        self._device = cupy.cuda.Device(device_id)
+        with self._device:
+            self.cupy = cupy.cuda.Stream(non_blocking=True)
+        self.ptr = self.cupy.ptr
+        self.name = name
+        self._lock = threading.Lock()
+        # Host objects an enqueued copy still reads; freed once an event after it completes.
+        self._keep: list[Any] = []
+        self._error: BaseException | None = None
+        self._waits: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._wait_loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any], on_done: OnDone) -> None:
+        if self._error is not None:
+            on_done(None, self._error)
+            return
+        try:
+            # Every submitter thread sets the device before any CUDA call; ``with stream``
+            # makes CuPy (and RMM's CuPy allocator) enqueue on this stream.
+            with self._device, self.cupy:
+                result = fn()
+        except BaseException as e:
+            on_done(None, e)
+            return
+        on_done(result, None)
+
+    def keep(self, obj: Any) -> None:
+        """Hold ``obj`` until the next :meth:`on_complete` event has completed."""
+        with self._lock:
+            self._keep.append(obj)
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        # Record and take the keep-list together: anything kept before this point was kept
+        # after its copy was enqueued, so the event covers that copy.
+        with self._lock, self._device:
+            event = cupy.cuda.Event(block=True, disable_timing=True)
+            event.record(self.cupy)
+            keep, self._keep = self._keep, []
+        self._waits.put((event, callback, keep))
+
+    def _wait_loop(self) -> None:
+        cupy.cuda.runtime.setDevice(self.device_id)
+        while True:
+            item = self._waits.get()
+            if item is _STOP:
+                return
+            event, callback, keep = item
+            try:
+                event.synchronize()  # blocking sync, without the GIL
+            except BaseException as e:  # a sticky CUDA error: fail later submissions
+                self._error = e
+            # The copies that read ``keep`` have completed; dropping it frees host memory.
+            del item, keep, event
+            try:
+                callback()
+            finally:
+                del callback
+
+    def synchronize(self) -> None:
+        with self._device:
+            self.cupy.synchronize()
+
+    def close(self) -> None:
+        self._waits.put(_STOP)
+        self._thread.join()
+
+
+_device_pools: dict[int, Any] = {}
+_device_pools_lock = threading.Lock()
+
+
+def _device_pool(device_id: int, size: int) -> Any:
+    """This process's RMM device pool for ``device_id``, installed as CuPy's allocator."""
+    with _device_pools_lock:
+        stats = _device_pools.get(device_id)
+        if stats is None:
+            size = _align_up(size)
+            with cupy.cuda.Device(device_id):
+                pool = rmm.mr.PoolMemoryResource(
+                    rmm.mr.CudaMemoryResource(),
+                    initial_pool_size=min(size, _align_up(2 * 2**30)),
+                    maximum_pool_size=size,
+                )
+                stats = rmm.mr.StatisticsResourceAdaptor(pool)
+                rmm.mr.set_per_device_resource(device_id, stats)
+            cupy.cuda.set_allocator(rmm_cupy_allocator)
+            _device_pools[device_id] = stats
+        return stats
+
+
+class CudaBackend:
+    """CuPy + RMM; see the module docstring.
+
+    Parameters
+    ----------
+    options
+        ``pinned_pool_size`` bounds the pinned pool, ``device_pool_size`` the device pool.
+        The device is the calling thread's current CUDA device.
+    """
+
+    name = "cuda"
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.device_id = cupy.cuda.runtime.getDevice()
+        self._device = cupy.cuda.Device(self.device_id)
+        self._device_mr = _device_pool(self.device_id, options.device_pool_size)
+        self.pinned = PinnedPool(options.pinned_pool_size, self.device_id)
+        self._names = itertools.count()
+        self.tracing = False
+        self._trace: list[tuple[str, str, Any, Any]] = []
+        self._trace_lock = threading.Lock()
+        with self._device:
+            # The reference that maps event times onto time.time() (see resolve).
+            ref = cupy.cuda.Event()
+            ref.record(cupy.cuda.Stream.null)
+            ref.synchronize()
+            self._clock = (ref, time.time())
+        guard_kernel_pickling()
+
+    # -- streams and memory -----------------------------------------------------------
+    def make_stream(self) -> CudaStream:
+        return CudaStream(self.device_id, f"overlap-cuda-stream-{next(self._names)}")
+
+    def is_device(self, x: Any) -> bool:
+        return isinstance(x, cupy.ndarray)
+
+    def is_pinned(self, x: np.ndarray) -> bool:
+        if self.pinned.owns(x):
+            return True
+        if x.nbytes == 0:
+            return False
+        try:  # pinned elsewhere (cupy's pinned pool, cudaHostRegister): no need to stage
+            with self._device:
+                attrs = cupy.cuda.runtime.pointerGetAttributes(x.ctypes.data)
+            return int(attrs.type) == 1  # cudaMemoryTypeHost
+        except Exception:
+            return False
+
+    def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
+        np.copyto(dst, src)
+
+    def device_bytes_in_use(self) -> int | None:
+        counts = self._device_mr.allocation_counts
+        return int(counts["current_bytes"] if isinstance(counts, dict) else counts.current_bytes)
+
+    # -- stage timings (for the runtime's timeline) ------------------------------------
+    def mark(self, stream: CudaStream) -> Any:
+        # Called inside ``submit`` (device set, stream current): a timing event in order.
+        event = cupy.cuda.Event()
+        event.record(stream.cupy)
+        return event
+
+    def resolve(self, marks: list[Any]) -> list[float]:
+        # The runner resolves only marks whose stream work has completed, so the events
+        # are done; elapsed time from the reference event maps them onto time.time().
+        ref, t0 = self._clock
+        with self._device:
+            return [t0 + cupy.cuda.get_elapsed_time(ref, m) / 1e3 for m in marks]
+
+    # -- the three stream stages --------------------------------------------------------
+    def copy_in(self, stream: CudaStream, host: np.ndarray) -> cupy.ndarray:
+        with self._span(stream, "h2d"):
+            dev = cupy.empty(host.shape, host.dtype)  # from the RMM pool, on ``stream``
+            if host.nbytes == 0:
+                return dev
+            rows = _rows(host)
+            if rows is None:
+                # Irregular strides: one contiguous host copy, kept until the copy is done.
+                host = np.ascontiguousarray(host)
+                stream.keep(host)
+                rows = (1, host.nbytes, host.nbytes)
+            height, width, pitch = rows
+            # Asynchronous when ``host`` is pinned; from pageable memory CUDA stages it
+            # itself. Either way ``host`` stays alive: the runner holds a sub-chunk's
+            # inputs until its copy-out has completed.
+            if height == 1:
+                cupy.cuda.runtime.memcpyAsync(
+                    dev.data.ptr, host.ctypes.data, width, _H2D, stream.ptr
+                )
+            else:
+                cupy.cuda.runtime.memcpy2DAsync(
+                    dev.data.ptr, width, host.ctypes.data, pitch, width, height, _H2D, stream.ptr
+                )
+            return dev
+
+    def compute(
+        self, stream: CudaStream, func: Callable[..., Any], args: list, kwargs: dict
+    ) -> Any:
+        if any(isinstance(a, cupy.ndarray) for a in args):
+            # Device input may come from work on the legacy default stream (plain CuPy in
+            # another task), which our non-blocking streams do not wait for by themselves.
+            stream.cupy.wait_event(cupy.cuda.Stream.null.record())
+        with self._span(stream, "compute"):
+            return func(*args, **kwargs)
+
+    def copy_out(self, stream: CudaStream, device: Any, out: np.ndarray) -> None:
+        if isinstance(device, np.ndarray):  # func returned host memory: already complete
+            np.copyto(out, device)
+            return
+        if out.nbytes == 0:
+            return
+        with self._span(stream, "d2h"):
+            # Enqueued on ``stream`` after the kernel, so it reads the finished result; a
+            # temporary made here is freed stream-ordered by RMM.
+            src = cupy.ascontiguousarray(device)
+            rows = _rows(out)
+            if rows is None:
+                # Irregular strides in ``out``: land in a temporary, then copy on the host,
+                # which needs the copy to have completed.
+                tmp = np.empty(out.shape, out.dtype)
+                cupy.cuda.runtime.memcpyAsync(
+                    tmp.ctypes.data, src.data.ptr, tmp.nbytes, _D2H, stream.ptr
+                )
+                stream.synchronize()
+                np.copyto(out, tmp)
+                return
+            height, width, pitch = rows
+            # Straight into the output block (pinned: asynchronous). ``out`` is part of the
+            # partition's output, which the runner holds until every copy-out completed.
+            if height == 1:
+                cupy.cuda.runtime.memcpyAsync(
+                    out.ctypes.data, src.data.ptr, width, _D2H, stream.ptr
+                )
+            else:
+                cupy.cuda.runtime.memcpy2DAsync(
+                    out.ctypes.data, pitch, src.data.ptr, width, width, height, _D2H, stream.ptr
+                )
+
+    def as_result(self, x: Any) -> Any | None:
+        if isinstance(x, (cupy.ndarray, np.ndarray)):
+            return x
+        if isinstance(x, np.generic):
+            return np.asarray(x)
+        return None
+
+    def naive(self, func: Callable[..., Any], *blocks: np.ndarray, **kwargs: Any) -> np.ndarray:
+        """What the usual code does, on the legacy default stream, one step at a time."""
+        null = cupy.cuda.Stream.null
+        with self._device, null:
+            with self._span(null, "h2d"):
+                dev = [cupy.asarray(b) for b in blocks]
+            with self._span(null, "compute"):
+                out = func(*dev, **kwargs)
+            with self._span(null, "d2h"):
+                return cupy.asnumpy(out) if isinstance(out, cupy.ndarray) else np.asarray(out)
+
+    # -- event timings, for pictures of the assembly line -------------------------------
+    @contextlib.contextmanager
+    def _span(self, stream: Any, stage: str) -> Iterator[None]:
+        if not self.tracing:
+            yield
+            return
+        cs = stream.cupy if isinstance(stream, CudaStream) else stream
+        name = stream.name if isinstance(stream, CudaStream) else "default"
+        start = cupy.cuda.Event()
+        start.record(cs)
+        try:
+            yield
+        finally:
+            end = cupy.cuda.Event()
+            end.record(cs)
+            with self._trace_lock:
+                self._trace.append((stage, name, start, end))
+
+    def start_trace(self) -> None:
+        """Record timing events around every copy and kernel from now on."""
+        with self._trace_lock:
+            self._trace = []
+        self.tracing = True
+
+    def stop_trace(self) -> list[dict[str, Any]]:
+        """Stop tracing; the spans seen, in seconds from the first one's start.
+
+        Returns
+        -------
+        list of dict
+            ``{"stage", "stream", "start", "end"}`` per copy or kernel.
+        """
+        self.tracing = False
+        with self._trace_lock:
+            spans, self._trace = self._trace, []
+        if not spans:
+            return []
+        with self._device:
+            for _, _, _, end in spans:
+                end.synchronize()
+            t0 = min(spans, key=lambda s: cupy.cuda.get_elapsed_time(spans[0][2], s[2]))[2]
+            return [
+                {
+                    "stage": stage,
+                    "stream": name,
+                    "start": cupy.cuda.get_elapsed_time(t0, start) / 1e3,
+                    "end": cupy.cuda.get_elapsed_time(t0, end) / 1e3,
+                }
+                for stage, name, start, end in spans
+            ]
+
+    def close(self) -> None:
+        # Blocks still held (outputs Dask keeps) return to RMM when collected; their
+        # give-back closures keep the pinned pool alive until then.
+        self.pinned.close()
+
+
+# -- the __main__ kernel trap ----------------------------------------------------------
+#
+# Dask pickles tasks even for the threaded scheduler. A ``func`` defined in ``__main__`` is
+# pickled by value, and with it any CuPy kernel it closes over. Unpickled in the same
+# process, that copy is a second Python object for the same compiled module; when it is
+# collected, its finalizer unloads a module the original still uses, and the original's
+# next launch fails with CUDA_ERROR_INVALID_HANDLE (``moduleUnload`` errors follow at exit).
+# In the same process the copy is pointless: pickle the kernel as a reference to the
+# original, and give the original back on unpickling.
+
+_kernels: dict[int, Any] = {}
+_kernels_lock = threading.Lock()
+_guarded = False
+
+
+def _kernel_by_reference(pid: int, key: int) -> Any:
+    kernel = _kernels.get(key) if pid == os.getpid() else None
+    if kernel is None:
+        raise RuntimeError(
+            "a CuPy kernel object (ElementwiseKernel, ReductionKernel, RawKernel or "
+            "RawModule) that func closes over was sent to another process, where it cannot "
+            "be used: create the kernel inside func, or define it in an importable module "
+            "(not __main__) so that each process builds its own"
+        )
+    return kernel
+
+
+def _reduce_kernel(kernel: Any) -> tuple[Any, tuple[int, int]]:
+    with _kernels_lock:
+        # Held for the life of the process: a module-level kernel lives that long anyway,
+        # and the reference must resolve whenever the task is unpickled.
+        _kernels[id(kernel)] = kernel
+    return _kernel_by_reference, (os.getpid(), id(kernel))
+
+
+def guard_kernel_pickling() -> None:
+    """Make CuPy kernel objects pickle as in-process references (idempotent).
+
+    Called by :func:`dask_overlap.map_blocks` when CuPy is imported, before Dask pickles
+    the task, and by the cuda backend. See the comment above this function.
+
+    Examples
+    --------
+    >>> import pickle, cupy
+    >>> guard_kernel_pickling()
+    >>> k = cupy.ElementwiseKernel("T x", "T y", "y = x", "copy_k")
+    >>> pickle.loads(pickle.dumps(k)) is k
+    True
+    """
+    global _guarded
+    if _guarded:
+        return
+    types = [cupy.ElementwiseKernel, cupy.ReductionKernel, cupy.RawKernel, cupy.RawModule]
+    for t in types:
+        copyreg.pickle(t, _reduce_kernel)
+    _guarded = True

@@ -1,0 +1,302 @@
+"""The cuda backend on a real GPU (``pytest -m gpu``; skipped where no GPU is visible)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+
+import dask_overlap
+
+cp = pytest.importorskip("cupy")
+pytest.importorskip("rmm")
+if not cp.cuda.is_available():
+    pytest.skip("no CUDA GPU is visible", allow_module_level=True)
+
+from conftest import pinned_in_use_after_gc, wait_until_idle  # noqa: E402
+
+from dask_overlap.backends.cuda import CudaBackend, _rows, guard_kernel_pickling  # noqa: E402
+from dask_overlap.partition import PartitionSpec  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+POOL = 64 * 2**20
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(autouse=True)
+def cuda_config() -> Iterator[None]:
+    with dask.config.set(
+        {
+            "overlap.backend": "cuda",
+            "overlap.pinned-pool-size": POOL,
+            "overlap.device-pool-size": "4GiB",
+            "overlap.sub-chunk-bytes": "256KiB",
+        }
+    ):
+        yield
+
+
+def runtime() -> Any:
+    return dask_overlap.get_runtime("cuda")
+
+
+def poison_pool() -> None:
+    """Fill the free part of the pinned pool with 0xFF, so unwritten output shows."""
+    pool = runtime().backend.pinned
+    block = pool.allocate(pool.limit - pool.in_use)
+    assert block is not None
+    block[...] = 0xFF
+    del block
+    gc.collect()
+
+
+def views(host: Any, rows: int) -> da.Array:
+    """A dask array whose chunks are views of ``host`` (no copy, so pinned stays pinned)."""
+    name = f"views-{tokenize(id(host), host.shape, host.strides)}"
+    starts = range(0, host.shape[0], rows)
+    rest = tuple((n,) for n in host.shape[1:])
+    dsk = {(name, i) + (0,) * (host.ndim - 1): host[s : s + rows] for i, s in enumerate(starts)}
+    chunks = (tuple(min(rows, host.shape[0] - s) for s in starts), *rest)
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
+    return da.Array(graph, name, chunks, meta=host[:0])
+
+
+def affine(b: Any) -> Any:
+    return b * 3 + 1
+
+
+CASES = [
+    # shape, chunk rows, split_axis
+    ((512, 256), 128, 0),
+    ((512, 256), 128, 1),  # sub-chunks are column slices: non-contiguous outputs
+    ((64, 96, 80), 16, 1),
+    ((64, 96, 80), 16, 2),
+    ((512, 256), 100, None),
+    ((1000,), 300, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.uint8, np.complex64])
+@pytest.mark.parametrize("shape,rows,split_axis", CASES)
+def test_matches_numpy(dtype: Any, shape: tuple, rows: int, split_axis: int | None) -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.random(shape) * 100).astype(dtype)
+    poison_pool()
+    y = dask_overlap.map_blocks(affine, views(x, rows), split_axis=split_axis, sub_chunk_bytes=8192)
+    np.testing.assert_array_equal(y.compute(), affine(x))
+    stats = runtime().stats()
+    assert stats["backend"] == "cuda"
+    assert stats["bytes_h2d"] == x.nbytes and stats["bytes_d2h"] == x.nbytes
+
+
+def test_pinned_input_is_not_staged() -> None:
+    rt = runtime()
+    block = rt.backend.pinned.allocate(4 * 2**20)
+    x = block.view(np.float32).reshape(1024, 1024)
+    x[...] = np.arange(x.size, dtype=np.float32).reshape(x.shape)
+    assert rt.backend.is_pinned(x) and rt.backend.is_pinned(x[256:512])
+    poison_pool()
+    y = dask_overlap.map_blocks(affine, views(x, 256), split_axis=0, sub_chunk_bytes=2**18)
+    got = y.compute()
+    np.testing.assert_array_equal(got, affine(x))
+    assert rt.stats()["bytes_staged"] == 0
+
+
+def test_pageable_input_is_staged() -> None:
+    x = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)
+    assert not runtime().backend.is_pinned(x)
+    y = dask_overlap.map_blocks(affine, views(x, 256), split_axis=0, sub_chunk_bytes=2**18)
+    np.testing.assert_array_equal(y.compute(), affine(x))
+    assert runtime().stats()["bytes_staged"] == x.nbytes
+
+
+@pytest.mark.parametrize("split_axis", [0, 1, None])
+def test_non_contiguous_input(split_axis: int | None) -> None:
+    base = np.arange(512 * 600, dtype=np.float64).reshape(512, 600)
+    x = base[:, 10:522:2]  # strided rows and columns
+    poison_pool()
+    y = dask_overlap.map_blocks(affine, views(x, 128), split_axis=split_axis, sub_chunk_bytes=8192)
+    np.testing.assert_array_equal(y.compute(), affine(x))
+
+
+def test_cupy_input_skips_h2d() -> None:
+    x = cp.arange(512 * 256, dtype=cp.float32).reshape(512, 256)
+    y = dask_overlap.map_blocks(affine, da.from_array(x, chunks=(128, 256)), split_axis=0)
+    np.testing.assert_array_equal(y.compute(), cp.asnumpy(affine(x)))
+    stats = runtime().stats()
+    assert stats["bytes_h2d"] == 0 and stats["bytes_d2h"] == x.nbytes
+
+
+def test_result_types_and_zero_d() -> None:
+    """0-d CuPy results, NumPy results and results of another dtype or layout."""
+    rt = runtime()
+    x = np.arange(4096, dtype=np.float32).reshape(64, 64)
+
+    def spec(split: int | None) -> PartitionSpec:
+        return PartitionSpec(("t", 0), (0,), 2, split, split, 4096, 2)
+
+    got = rt.run_partition(lambda b: b.sum(), (x,), {}, spec(None))
+    assert got.shape == () and got == x.sum()
+    got = rt.run_partition(lambda b: cp.asnumpy(b) * 2, (x,), {}, spec(0))
+    np.testing.assert_array_equal(got, x * 2)
+    got = rt.run_partition(lambda b: b.T.astype(cp.float64).T, (x,), {}, spec(1))
+    np.testing.assert_array_equal(got, x.astype(np.float64))
+    with pytest.raises(TypeError, match="must return an array"):
+        rt.run_partition(lambda b: 3, (x,), {}, spec(None))
+
+
+def test_copy_out_into_odd_layouts() -> None:
+    """Straight into strided pinned and pageable outputs, and an irregular layout."""
+    rt = runtime()
+    backend, stream = rt.backend, rt.streams[0]
+    src = cp.arange(6 * 8 * 10, dtype=cp.int32).reshape(6, 8, 10)
+    ref = cp.asnumpy(src)
+    block = backend.pinned.allocate(6 * 20 * 10 * 4)
+    pinned = block.view(np.int32).reshape(6, 20, 10)
+    pageable = np.full((6, 20, 10), -1, np.int32)
+    for out in (pinned[:, 4:12], pageable[:, 4:12], pageable[:, 4:12][:, :, ::-1].T.T):
+        out[...] = -1
+        assert out.flags.c_contiguous is False
+
+        def work(out: np.ndarray = out) -> None:
+            backend.copy_out(stream, src, out)
+
+        errors: list[Any] = []
+        stream.submit(work, lambda r, e, errors=errors: errors.append(e))
+        stream.synchronize()
+        assert errors == [None]
+        np.testing.assert_array_equal(out, ref)
+    assert _rows(pageable[:, 4:12]) == (6, 8 * 10 * 4, 20 * 10 * 4)
+    assert _rows(pageable[:, :, ::-1]) is None
+
+
+def test_pool_bounded_and_empty_after_run() -> None:
+    x = np.ones((4096, 1024), np.float32)  # 16 MiB, outputs 16 MiB, pool 64 MiB
+    y = dask_overlap.map_blocks(affine, views(x, 512), split_axis=0, sub_chunk_bytes=2**20)
+    np.testing.assert_array_equal(y.compute(), affine(x))
+    stats = runtime().stats()
+    assert 0 < stats["pinned_bytes_peak"] <= POOL
+    del y
+    gc.collect()
+    assert runtime().stats()["pinned_bytes_in_use"] == 0
+
+
+def test_pool_empty_after_func_raises() -> None:
+    x = np.ones((4096, 256), np.float32)
+
+    def bad(b: Any) -> Any:
+        if float(b[0, 0]) > 2000:
+            raise ValueError("boom")
+        return b + 1
+
+    x[:, 0] = np.arange(4096)
+    y = dask_overlap.map_blocks(bad, views(x, 1024), split_axis=0, sub_chunk_bytes=2**16)
+    with pytest.raises(ValueError, match="boom"):
+        y.compute()
+    wait_until_idle()
+    assert pinned_in_use_after_gc() == 0
+    assert runtime().stats()["partitions_failed"] >= 1
+
+
+def test_pool_exhausted_falls_back() -> None:
+    with dask.config.set({"overlap.pinned-pool-size": "1MiB"}):
+        dask_overlap.close_runtimes()
+        x = np.arange(2048 * 256, dtype=np.float32).reshape(2048, 256)  # 2 MiB
+        y = dask_overlap.map_blocks(affine, views(x, 1024), split_axis=0, sub_chunk_bytes=2**18)
+        np.testing.assert_array_equal(y.compute(), affine(x))
+        stats = runtime().stats()
+        assert stats["pinned_fallbacks"] > 0 and stats["pinned_bytes_peak"] <= 2**20
+
+
+def test_200_partitions_no_growth() -> None:
+    x = np.arange(200 * 64 * 256, dtype=np.float32).reshape(200 * 64, 256)
+    func = dask_overlap.map_blocks
+    rt = runtime()
+    # warm: pools, kernels and CuPy's caches
+    np.testing.assert_array_equal(
+        func(affine, views(x[:640], 64), split_axis=0).compute(), affine(x[:640])
+    )
+    gc.collect()
+    pinned0, device0 = rt.stats()["pinned_bytes_in_use"], rt.backend.device_bytes_in_use()
+    reserved0 = rt.backend.pinned.reserved()
+    for _ in range(2):
+        y = func(affine, views(x, 64), split_axis=0, sub_chunk_bytes=2**14)
+        assert y.numblocks[0] == 200
+        np.testing.assert_array_equal(y.compute(), affine(x))
+        del y
+        gc.collect()
+    stats = rt.stats()
+    assert stats["pinned_bytes_in_use"] == pinned0 == 0
+    assert rt.backend.device_bytes_in_use() <= device0
+    assert rt.backend.pinned.reserved() == reserved0
+    assert stats["in_flight"] == 0 and stats["device_bytes_in_flight"] == 0
+
+
+def test_completion_only_after_copy_lands() -> None:
+    """on_complete fires after the D2H has landed, even behind a long kernel."""
+    rt = runtime()
+    backend, stream = rt.backend, rt.streams[1]
+    block = backend.pinned.allocate(2**24)
+    out = block.view(np.float32)
+    out[...] = -1
+    seen: list[float] = []
+    done = threading.Event()
+
+    def work() -> None:
+        a = cp.ones(2**22, cp.float32)
+        for _ in range(200):
+            a = a * 1.0 + 0.0
+        backend.copy_out(stream, a, out)
+
+    stream.submit(work, lambda r, e: None)
+    stream.on_complete(lambda: (seen.append(float(out[-1])), done.set()))
+    assert done.wait(30)
+    assert seen == [1.0]
+
+
+def test_naive_matches() -> None:
+    rt = runtime()
+    x = np.arange(1000, dtype=np.float32)
+    np.testing.assert_array_equal(rt.backend.naive(affine, x), affine(x))
+
+
+def test_auto_picks_cuda() -> None:
+    from dask_overlap.backends import resolve_backend
+
+    assert resolve_backend("auto") == "cuda"
+    assert isinstance(runtime().backend, CudaBackend)
+
+
+def test_guard_pickles_kernels_by_reference() -> None:
+    guard_kernel_pickling()
+    k = cp.ElementwiseKernel("T x", "T y", "y = x + 1", "plus_one_by_ref")
+    assert pickle.loads(pickle.dumps(k)) is k
+
+
+@pytest.mark.parametrize("kind", ["elementwise", "reduction", "raw"])
+def test_main_module_kernel_trap(kind: str) -> None:
+    """A func closing over a kernel defined in __main__ works inside Dask tasks."""
+    script = os.path.join(HERE, "cuda_trap_script.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, script, "overlap", kind],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+    assert "INVALID_HANDLE" not in proc.stderr and "moduleUnload" not in proc.stderr, proc.stderr
