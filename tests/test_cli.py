@@ -1,0 +1,156 @@
+"""``dask overlap``: help, flags, the demo hand-off, and a worker against a real scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from distributed import Client, LocalCluster
+
+import dask_overlap
+from dask_overlap import Options, OverlapPlugin, runtime_stats
+from dask_overlap.cli import main, options_from_params
+from dask_overlap.cluster import plan_workers
+
+OPTION_FLAGS = [
+    f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(Options) if f.name != "timed"
+]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_dask_overlap_help_through_the_dask_command() -> None:
+    top = run("-m", "dask", "overlap", "--help")
+    assert top.returncode == 0, top.stderr
+    assert "dask overlap [OPTIONS] COMMAND" in top.stdout
+    assert "worker" in top.stdout and "demo" in top.stdout
+    assert "While registering" not in top.stderr  # dask found and loaded our entry point
+
+    worker = run("-m", "dask", "overlap", "worker", "--help")
+    assert worker.returncode == 0, worker.stderr
+    for flag in [*OPTION_FLAGS, "--allow-cpu", "--nthreads", "--n-workers", "--memory-limit"]:
+        assert flag in worker.stdout, flag
+    assert "[SCHEDULER_ADDRESS]" in worker.stdout
+    assert "overlap.in-flight" in worker.stdout  # defaults are read from the configuration
+
+
+def test_python_m_dask_overlap_is_the_same_command() -> None:
+    out = run("-m", "dask_overlap", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "Usage: python -m dask_overlap" in out.stdout and "worker" in out.stdout
+
+
+def test_demo_hands_every_argument_to_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str] | None] = []
+
+    def demo_main(argv: list[str] | None = None) -> int:
+        seen.append(argv)
+        return 3
+
+    monkeypatch.setitem(sys.modules, "dask_overlap.demo", types.SimpleNamespace(main=demo_main))
+    result = CliRunner().invoke(main, ["demo", "--help", "--size", "1GiB"])
+    assert result.exit_code == 3
+    assert seen == [["--help", "--size", "1GiB"]]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("dask_overlap.demo") is None,
+    reason="dask_overlap.demo not written yet",
+)
+def test_demo_help_is_the_demos_own() -> None:
+    out = run("-m", "dask", "overlap", "demo", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout.lower()
+
+
+def test_options_from_config_and_from_flags_agree() -> None:
+    def parse(*args: str) -> Options:
+        ctx = main.commands["worker"].make_context("worker", ["tcp://a:8786", *args])
+        return options_from_params(**ctx.params)
+
+    settings = {"overlap.in-flight": 3, "overlap.pinned-pool-size": "64MiB", "overlap.streams": 2}
+    with dask.config.set(settings):
+        from_config = Options.from_config()
+        assert parse() == from_config == OverlapPlugin().options
+    from_flags = parse("--in-flight", "3", "--pinned-pool-size", "64MiB", "--streams", "2")
+    assert from_flags == from_config
+    assert from_flags == OverlapPlugin(in_flight=3, pinned_pool_size="64MiB", streams=2).options
+    assert parse("--backend", "timed").backend == "timed"
+    # The CLI and LocalGPUCluster lay workers out through the same function.
+    layout = plan_workers(cuda_visible_devices="", allow_cpu=True, options=from_flags)
+    assert layout.options == dataclasses.replace(from_config, backend="host")
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["worker"], 2, "give SCHEDULER_ADDRESS or --scheduler-file"),
+        (["worker", "tcp://a:1", "--in-flight", "0"], 2, "--in-flight"),
+        (["worker", "tcp://a:1", "--backend", "gpu"], 2, "--backend"),
+        (["worker", "tcp://a:1", "--pinned-pool-size", "lots"], 1, "pinned_pool_size"),
+        (["worker", "tcp://a:1", "--cuda-visible-devices", ""], 1, "--allow-cpu"),
+    ],
+)
+def test_worker_rejects_bad_flags_before_starting(args: list[str], code: int, message: str) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == code, result.output
+    assert message in result.output
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_worker_joins_computes_and_stops_on_signal(sig: signal.Signals, tmp_path: Path) -> None:
+    log_path = tmp_path / "worker.log"
+    with (
+        LocalCluster(n_workers=0, dashboard_address=None) as cluster,
+        Client(cluster, set_as_default=False) as client,
+        open(log_path, "w") as log,
+    ):
+        # --cuda-visible-devices "" makes this the CPU path even on a machine with GPUs.
+        cmd = ["-m", "dask", "overlap", "worker", cluster.scheduler_address, "--allow-cpu"]
+        cmd += ["--cuda-visible-devices", "", "--n-workers", "1", "--nthreads", "2"]
+        cmd += ["--no-dashboard", "--name", "cli", "--in-flight", "3"]
+        cmd += ["--local-directory", str(tmp_path)]
+        proc = subprocess.Popen([sys.executable, *cmd], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            client.wait_for_workers(1, timeout=60)
+            info = client.run(
+                lambda dask_worker: (dask_worker.name, dask_worker.plugins["overlap"].options)
+            )
+            assert list(info.values()) == [
+                ("cli-0", Options.from_config(in_flight=3, backend="host"))
+            ]
+
+            x = da.random.random((1000, 64), chunks=(250, 64))
+            ours = dask_overlap.map_blocks(np.sqrt, x, split_axis=0, sub_chunk_bytes="16KiB")
+            got, expected = client.compute([ours, da.sqrt(x)], sync=True)
+            np.testing.assert_array_equal(got, expected)
+            assert [s["partitions"] for s in client.run(runtime_stats).values()] == [4]
+
+            proc.send_signal(sig)
+            assert proc.wait(timeout=30) == 0
+            deadline = time.monotonic() + 20
+            while client.scheduler_info()["workers"]:
+                assert time.monotonic() < deadline, "the worker did not leave the scheduler"
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text()
+    assert f"Reason: signal-{int(sig)}" in text, text
+    assert "Traceback" not in text, text

@@ -1,0 +1,321 @@
+"""The plugin and the cluster helper on real multi-process clusters (host backend, no GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+
+import dask_overlap
+from dask_overlap import LocalGPUCluster, Options, OverlapPlugin, runtime_stats
+from dask_overlap.cluster import (
+    CPU_WORKERS,
+    THREADS_PER_WORKER,
+    WorkerLayout,
+    _parse_nvidia_smi,
+    parse_devices,
+    plan_workers,
+    visible_gpus,
+)
+from dask_overlap.plugin import resolve_options, worker_runtime
+
+PLUGIN_OPTIONS = dict(backend="host", pinned_pool_size="64MiB", in_flight=2, streams=2)
+CLUSTER_KW: dict[str, Any] = dict(dashboard_address=None, worker_dashboard_address=None)
+
+
+def func(b: np.ndarray) -> np.ndarray:
+    return np.sin(b) * 2 + 1
+
+
+def poll(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """``condition()`` once it is truthy; fail after ``timeout`` seconds (a bound, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, **CLUSTER_KW) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[Client]:
+    """A client with a fresh plugin on every worker (re-registering rebuilds the runtimes)."""
+    with Client(cluster) as client:
+        client.register_plugin(OverlapPlugin(**PLUGIN_OPTIONS))
+        yield client
+
+
+def test_results_equal_dask_and_both_workers_share_their_runtime(client: Client) -> None:
+    x = da.random.random((4000, 256), chunks=(250, 256))  # 16 partitions of 500 kB
+    ours = dask_overlap.map_blocks(func, x, split_axis=0, sub_chunk_bytes="64KiB")
+    theirs = da.map_blocks(func, x)
+    ours, theirs = client.persist([ours, theirs])
+    wait([ours, theirs])
+
+    # Every partition ran through its worker's plugin runtime, and both workers ran some.
+    where = client.who_has(ours)
+    per_worker = {w: 0 for w in client.scheduler_info()["workers"]}
+    for holders in where.values():
+        (holder,) = holders
+        per_worker[holder] += 1
+    stats = client.run(runtime_stats)
+    assert all(n > 0 for n in per_worker.values()), per_worker
+    assert {w: s["partitions"] for w, s in stats.items()} == per_worker
+    assert all(s["backend"] == "host" and s["sub_chunks"] > s["partitions"] for s in stats.values())
+
+    got, expected = client.compute([ours, theirs], sync=True)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_partitions_run_where_their_input_is(client: Client) -> None:
+    x = da.random.random((8000, 128), chunks=(250, 128)).persist(scheduler=client)  # 32 chunks
+    wait(x)
+    x_where = client.who_has(x)
+    assert len({w for ws in x_where.values() for w in ws}) == 2, "input should span both workers"
+
+    def transfers(dask_worker: Any) -> tuple[int, int]:
+        return (
+            dask_worker.state.transfer_incoming_count_total,
+            dask_worker.transfer_outgoing_count_total,
+        )
+
+    before = client.run(transfers)
+    y = dask_overlap.map_blocks(func, x).persist(scheduler=client)
+    wait(y)
+    after = client.run(transfers)
+
+    assert after == before, f"transfers between workers: before {before}, after {after}"
+    y_where = client.who_has(y)
+    for xk, yk in zip(sorted(x_where), sorted(y_where), strict=True):
+        assert x_where[xk] == y_where[yk], (xk, yk)
+
+
+def test_teardown_closes_the_pools(client: Client) -> None:
+    x = da.random.random((2000, 128), chunks=(250, 128))
+    y = dask_overlap.map_blocks(func, x, split_axis=0, sub_chunk_bytes="32KiB")
+    client.compute(y.sum(), sync=True)
+
+    def idle(stats: dict[str, dict[str, Any]]) -> bool:
+        return all(
+            s["in_flight"] == 0 and s["partitions_active"] == 0 and s["pinned_bytes_in_use"] == 0
+            for s in stats.values()
+        )
+
+    stats = poll(lambda: (s := client.run(runtime_stats)) and idle(s) and s)
+    assert sum(s["partitions"] for s in stats.values()) == 8
+    assert all(s["pinned_bytes_peak"] > 0 for s in stats.values() if s["partitions"])
+
+    since = time.time()
+    client.unregister_worker_plugin(OverlapPlugin.name)
+
+    def teardowns() -> list[dict[str, Any]]:
+        return [
+            msg
+            for t, msg in client.get_events(OverlapPlugin.name)
+            if t >= since and msg["action"] == "teardown"
+        ]
+
+    events = poll(lambda: len(teardowns()) == 2 and teardowns())
+    assert {e["worker"] for e in events} == set(stats)
+    assert all(e["closed"] and e["pinned_bytes_in_use"] == 0 for e in events), events
+    assert not any(
+        client.run(lambda dask_worker: OverlapPlugin.name in dask_worker.plugins).values()
+    )
+
+    # With no plugin, tasks fall back to each process's own runtime.
+    with dask.config.set({"overlap.backend": "host"}):
+        y = dask_overlap.map_blocks(func, x)
+    np.testing.assert_array_equal(client.compute(y, sync=True), client.compute(func(x), sync=True))
+    assert all(s["partitions"] > 0 for s in client.run(runtime_stats).values())
+
+
+def test_task_asking_for_another_backend_uses_the_process_runtime(client: Client) -> None:
+    x = da.ones((1000, 64), chunks=(250, 64))
+    with dask.config.set({"overlap.backend": "timed", "overlap.timed.kernel-seconds": 0.0}):
+        y = dask_overlap.map_blocks(func, x)
+    np.testing.assert_array_equal(client.compute(y, sync=True), func(np.ones((1000, 64))))
+
+    plugin_stats = client.run(runtime_stats)
+    timed_stats = client.run(runtime_stats, "timed")
+    assert sum(s["partitions"] for s in plugin_stats.values()) == 0
+    assert sum(s["partitions"] for s in timed_stats.values()) == 4
+    assert {s["backend"] for s in timed_stats.values()} == {"timed"}
+
+
+def test_threaded_scheduler_uses_the_process_runtime() -> None:
+    x = da.ones((100, 8), chunks=(25, 8))
+    y = dask_overlap.map_blocks(func, x, split_axis=0, sub_chunk_bytes=64)
+    np.testing.assert_array_equal(y.compute(), func(np.ones((100, 8))))
+    assert worker_runtime() is None
+    assert runtime_stats()["partitions"] == 4
+
+
+def test_cluster_close_closes_each_workers_runtime() -> None:
+    # In-process workers share this one plugin object; each still gets its own runtime.
+    plugin = OverlapPlugin(**PLUGIN_OPTIONS)
+    with (
+        LocalCluster(n_workers=2, processes=False, plugins={plugin}, **CLUSTER_KW) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        x = da.ones((1000, 64), chunks=(250, 64))
+        y = dask_overlap.map_blocks(func, x)
+        np.testing.assert_array_equal(client.compute(y, sync=True), func(np.ones((1000, 64))))
+        workers = list(cluster.workers.values())
+        runtimes = [plugin.runtime(w) for w in workers]
+        assert len({id(rt) for rt in runtimes}) == 2 and not any(rt.closed for rt in runtimes)
+        assert sum(rt.counters.partitions for rt in runtimes) == 4
+    assert all(rt.closed for rt in runtimes)
+    assert [plugin.runtime(w) for w in workers] == [None, None]
+
+
+# --- LocalGPUCluster ----------------------------------------------------------------
+
+
+def test_local_gpu_cluster_cpu_path() -> None:
+    with (
+        LocalGPUCluster(
+            allow_cpu=True, cuda_visible_devices="", in_flight=3, **CLUSTER_KW
+        ) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        info = client.run(
+            lambda dask_worker: (
+                dask_worker.plugins[OverlapPlugin.name].options,
+                dask_worker.state.nthreads,
+                os.environ.get("CUDA_VISIBLE_DEVICES"),
+            )
+        )
+        expected = Options.from_config(in_flight=3, backend="host")
+        assert list(info.values()) == [(expected, THREADS_PER_WORKER, None)] * CPU_WORKERS
+
+        x = da.random.random((1000, 64), chunks=(125, 64))
+        ours = dask_overlap.map_blocks(func, x, split_axis=0, sub_chunk_bytes="8KiB")
+        got, theirs = client.compute([ours, da.map_blocks(func, x)], sync=True)
+        np.testing.assert_array_equal(got, theirs)
+
+
+def test_local_gpu_cluster_gives_each_worker_its_gpu_first() -> None:
+    # Device ids are only passed on: the host backend runs, so no GPU is needed.
+    with (
+        LocalGPUCluster(
+            cuda_visible_devices="3,5", threads_per_worker=1, backend="host", **CLUSTER_KW
+        ) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        envs = client.run(
+            lambda dask_worker: (dask_worker.name, os.environ["CUDA_VISIBLE_DEVICES"])
+        )
+        assert sorted(envs.values()) == [(0, "3,5"), (1, "5,3")]
+        cluster.scale(3)
+        client.wait_for_workers(3, timeout=60)
+        envs = client.run(
+            lambda dask_worker: (
+                dask_worker.name,
+                os.environ["CUDA_VISIBLE_DEVICES"],
+                dask_worker.state.nthreads,
+            )
+        )
+        assert sorted(envs.values()) == [(0, "3,5", 1), (1, "5,3", 1), (2, "3,5", 1)]
+
+
+def test_local_gpu_cluster_without_gpu_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(RuntimeError, match="no GPU is visible.*allow_cpu=True"):
+        LocalGPUCluster(**CLUSTER_KW)
+    with pytest.raises(ValueError, match="backend='cuda'.*no GPU is visible"):
+        LocalGPUCluster(allow_cpu=True, backend="cuda", **CLUSTER_KW)
+    with pytest.raises(ValueError, match="in_flight must be a positive integer, got 0"):
+        LocalGPUCluster(allow_cpu=True, in_flight=0, **CLUSTER_KW)
+    with pytest.raises(ValueError, match="processes=False"):
+        LocalGPUCluster(allow_cpu=True, processes=False, **CLUSTER_KW)
+
+
+# --- layout and options, no cluster -------------------------------------------------
+
+
+def test_parse_devices_and_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_devices(" 0, 2 ,1") == ["0", "2", "1"]
+    assert parse_devices("1,-1,2") == ["1"]
+    assert parse_devices("") == []
+    assert parse_devices([0, "GPU-ab"]) == ["0", "GPU-ab"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1,GPU-2")
+    assert visible_gpus() == ["GPU-1", "GPU-2"]
+    smi = (
+        "GPU 0: NVIDIA H200 (UUID: GPU-1)\n"
+        "  MIG 1g.18gb     Device  0: (UUID: MIG-1)\n"
+        "GPU 1: NVIDIA H200 (UUID: GPU-2)\n"
+    )
+    assert _parse_nvidia_smi(smi) == ["0", "1"]
+
+
+def test_worker_layout_rotates_devices() -> None:
+    opts = Options.from_config(backend="host")
+    layout = WorkerLayout(4, ("0", "1", "2"), opts)
+    envs = [layout.env(i)["CUDA_VISIBLE_DEVICES"] for i in range(4)]
+    assert envs == ["0,1,2", "1,2,0", "2,0,1", "0,1,2"]
+    assert WorkerLayout(2, ("0", "0"), opts).env(1) == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert WorkerLayout(2, (), opts).env(1) == {}
+
+
+def test_plan_workers() -> None:
+    cpu = plan_workers(cuda_visible_devices="", allow_cpu=True)
+    assert (cpu.n_workers, cpu.devices, cpu.options.backend) == (CPU_WORKERS, (), "host")
+    timed = plan_workers(
+        3, cuda_visible_devices="-1", allow_cpu=True, options=resolve_options(backend="timed")
+    )
+    assert (timed.n_workers, timed.options.backend) == (3, "timed")
+    with pytest.raises(ValueError, match="n_workers must be a positive integer, got 0"):
+        plan_workers(0, cuda_visible_devices="", allow_cpu=True)
+    with pytest.raises(RuntimeError, match="given as ''"):
+        plan_workers(cuda_visible_devices="")
+    host = plan_workers(cuda_visible_devices="0,1", options=resolve_options(backend="host"))
+    assert (host.n_workers, host.devices, host.options.backend) == (2, ("0", "1"), "host")
+    if importlib.util.find_spec("cupy") is None:
+        with pytest.raises(ImportError, match=r"CuPy is not installed.*dask_overlap\[cuda13\]"):
+            plan_workers(cuda_visible_devices="0")
+    else:
+        assert plan_workers(cuda_visible_devices="0").options.backend == "cuda"
+
+
+def test_plugin_options_from_config_and_from_arguments_agree() -> None:
+    settings = {"overlap.in-flight": 3, "overlap.pinned-pool-size": "64MiB", "overlap.streams": 2}
+    with dask.config.set(settings):
+        from_config = OverlapPlugin().options
+        assert from_config == Options.from_config()
+    from_args = OverlapPlugin(in_flight=3, pinned_pool_size="64MiB", streams=2).options
+    assert from_args == from_config
+    assert OverlapPlugin(from_config).options is from_config
+    assert OverlapPlugin(from_config, in_flight=5).options == dataclasses.replace(
+        from_config, in_flight=5
+    )
+    assert plan_workers(
+        cuda_visible_devices="", allow_cpu=True, options=from_args
+    ).options == dataclasses.replace(from_config, backend="host")
+
+
+def test_plugin_validates_on_the_client() -> None:
+    with pytest.raises(ValueError, match="in_flight must be a positive integer, got 0"):
+        OverlapPlugin(in_flight=0)
+    with pytest.raises(ValueError, match="pinned_pool_size.*got 'lots'"):
+        OverlapPlugin(pinned_pool_size="lots")
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['in_flite'\]"):
+        OverlapPlugin(in_flite=2)
+    with pytest.raises(TypeError, match="options must be a dask_overlap.Options, got dict"):
+        OverlapPlugin({"in_flight": 2})  # type: ignore[arg-type]
