@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .engine import Action, Done, Failed, Pipeline, Plan, Stage, plan_sub_chunks
+from .metrics import TaskMeter, nvtx_range
 
 __all__ = ["PartitionSpec", "run_partition"]
 
@@ -90,6 +91,7 @@ class _PartitionRun:
         self.spans: dict[int, list[tuple[str, float, float, int]]] = {}
         self.marks: dict[int, list[tuple[str, Any, Any, int]]] = {}
         self.failed: set[int] = set()
+        self.meter = TaskMeter(spec.key, self.backend.name)  # this task's fine metrics
 
     # -- planning ---------------------------------------------------------------------
     def _plan(self) -> tuple[dict[int, int | None], Plan]:
@@ -153,7 +155,8 @@ class _PartitionRun:
         counters = self.rt.counters
         counters.add(partitions=1, partitions_active=1)
         try:
-            return self._run()
+            with self.meter.task():  # digests in this thread: context_meter is a ContextVar
+                return self._run()
         finally:
             counters.add(partitions_active=-1)
 
@@ -178,8 +181,10 @@ class _PartitionRun:
                 blocked = pipe.blocked
                 t0 = time.perf_counter()
                 event = self.events.get()
+                dt = time.perf_counter() - t0
                 if blocked:
-                    waited += time.perf_counter() - t0
+                    waited += dt
+                self.meter.waited(event.stage, dt, blocked)
                 if isinstance(event, Done) and event.stage == Stage.D2H:
                     self._record(event.index)
                     self._release(event.index)
@@ -253,6 +258,7 @@ class _PartitionRun:
                 staged_bytes += x.nbytes
             self.held[i] = held
             counters.add(bytes_staged=staged_bytes, pinned_fallbacks=fallbacks)
+            self.meter.fallback(fallbacks)
             self.spans[i] = [("stage", t0, time.time(), staged_bytes)]
 
         fut = self.rt.staging.submit(work)
@@ -322,7 +328,8 @@ class _PartitionRun:
     def _marked(self, i: int, stage: str, stream: Any, nbytes: int) -> Iterator[None]:
         """Mark the start and end of an operation in ``stream``'s order (see _record)."""
         start = self.backend.mark(stream)
-        yield
+        with nvtx_range(self.backend.name, self.spec.key, i, stage):
+            yield
         self.marks.setdefault(i, []).append((stage, start, self.backend.mark(stream), nbytes))
 
     def _record(self, i: int) -> None:
@@ -333,6 +340,7 @@ class _PartitionRun:
         spans += [(st, times[2 * k], times[2 * k + 1], n) for k, (st, _, _, n) in enumerate(marks)]
         stream = self.streams.get(i)
         self.rt.record_spans(self.spec.key, i, stream, spans)
+        self.meter.spans(spans)
 
     # -- results, output and buffers ---------------------------------------------------
     def _where(self) -> str:
@@ -392,6 +400,7 @@ class _PartitionRun:
         block = self.backend.pinned.allocate(nbytes)
         if block is None:
             self.rt.counters.add(pinned_fallbacks=1)
+            self.meter.fallback(1)
             return np.empty(shape, dtype)
         return block.view(dtype).reshape(shape)
 
