@@ -107,6 +107,9 @@ class TaskMeter:
         The partition's Dask key.
     backend
         Name of the runtime's backend (``"cuda"``, ``"host"``, ``"timed"``).
+    runtime, window
+        The runtime the partition runs on and its window (``in_flight``): while it runs,
+        the window counts in the runtime's ``window_capacity`` (see :func:`worker_metrics`).
 
     Examples
     --------
@@ -118,9 +121,11 @@ class TaskMeter:
      ('overlap-h2d', 'bytes', 100)]
     """
 
-    def __init__(self, key: Any, backend: str):
+    def __init__(self, key: Any, backend: str, runtime: Runtime | None = None, window: int = 0):
         self.key = key
         self.backend = backend
+        self.runtime = runtime
+        self.window = window
         self.blocked: dict[str, float] = {}
         self.busy: dict[str, float] = {}
         self.nbytes: dict[str, int] = {}
@@ -160,7 +165,7 @@ class TaskMeter:
         for stage, s in self.busy.items():
             out.append((label(stage), unit, s))
         for stage, n in self.nbytes.items():
-            if n:
+            if n and stage != "compute":  # bytes moved, not bytes a kernel read
                 out.append((label(stage), "bytes", n))
         with self._lock:
             if self._fallbacks:
@@ -181,11 +186,29 @@ class TaskMeter:
     @contextlib.contextmanager
     def task(self) -> Iterator[TaskMeter]:
         """Around a partition's driver loop: an NVTX range, then the digest, in this thread."""
+        _add_window(self.runtime, self.window)
         try:
             with nvtx_range(self.backend, self.key):
                 yield self
         finally:
+            _add_window(self.runtime, -self.window)
             self.digest()
+
+
+# Sum of the windows of the partitions running on each runtime, by id(runtime).
+_windows: dict[int, int] = {}
+_windows_lock = threading.Lock()
+
+
+def _add_window(rt: Runtime | None, n: int) -> None:
+    if rt is None or not n:
+        return
+    with _windows_lock:
+        left = _windows.get(id(rt), 0) + n
+        if left:
+            _windows[id(rt)] = left
+        else:
+            _windows.pop(id(rt), None)
 
 
 # -- NVTX -------------------------------------------------------------------------------
@@ -279,12 +302,12 @@ def worker_metrics(rt: Runtime, now: float | None = None) -> dict[str, Any]:
     """The runtime's heartbeat metrics: counters, pools, recent rates, overlap.
 
     Keys: everything :meth:`Runtime.stats` gives, plus ``device_pool_size``,
-    ``window_capacity`` (the ``in_flight`` option times the partitions running, at
-    least one), ``h2d_bytes_per_second`` and ``d2h_bytes_per_second`` (over the last
-    ``RATE_WINDOW`` seconds of the timeline), ``overlap_efficiency`` (stage busy time over
-    the wall time in which any stage was busy, same window: 1 when the stages run one at a
-    time, about 3 when copy-in, kernel and copy-out all overlap), ``busy_unit`` and
-    ``time``.
+    ``window_capacity`` (the sub-chunks the running partitions' windows admit, or the
+    ``in_flight`` option when none runs), ``h2d_bytes_per_second`` and
+    ``d2h_bytes_per_second`` (over the last ``RATE_WINDOW`` seconds of the timeline),
+    ``overlap_efficiency`` (stage busy time over the wall time in which any stage was
+    busy, same window: 1 when the stages run one at a time, about 3 when copy-in, kernel
+    and copy-out all overlap), ``busy_unit`` and ``time``.
 
     Examples
     --------
@@ -302,10 +325,11 @@ def worker_metrics(rt: Runtime, now: float | None = None) -> dict[str, Any]:
             moved[s.stage] += s.nbytes
         busy += max(0.0, s.end - s.start)
     wall = _union([(max(s.start, now - RATE_WINDOW), s.end) for s in spans])
-    active = out.get("partitions_active", 0)
+    with _windows_lock:
+        capacity = _windows.get(id(rt), 0) or rt.options.in_flight
     out.update(
         device_pool_size=rt.options.device_pool_size,
-        window_capacity=rt.options.in_flight * max(1, active),
+        window_capacity=capacity,
         h2d_bytes_per_second=moved["h2d"] / RATE_WINDOW,
         d2h_bytes_per_second=moved["d2h"] / RATE_WINDOW,
         overlap_efficiency=(busy / wall) if wall > 0 else 0.0,

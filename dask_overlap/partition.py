@@ -91,7 +91,7 @@ class _PartitionRun:
         self.spans: dict[int, list[tuple[str, float, float, int]]] = {}
         self.marks: dict[int, list[tuple[str, Any, Any, int]]] = {}
         self.failed: set[int] = set()
-        self.meter = TaskMeter(spec.key, self.backend.name)  # this task's fine metrics
+        self.meter = TaskMeter(spec.key, self.backend.name, rt, spec.in_flight)  # fine metrics
 
     # -- planning ---------------------------------------------------------------------
     def _plan(self) -> tuple[dict[int, int | None], Plan]:

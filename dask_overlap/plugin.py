@@ -18,6 +18,7 @@ from distributed import WorkerPlugin
 from distributed.worker import get_worker
 
 from .config import Options
+from .metrics import install_worker_metrics, uninstall_worker_metrics
 from .runtime import Runtime
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ class OverlapPlugin(WorkerPlugin):
             _live[id(worker)] = rt
         if old is not None:  # pragma: no cover - a worker removes its old plugin first
             await asyncio.to_thread(old.close)
+        install_worker_metrics(worker, rt)  # heartbeat entry, dashboard handler, /metrics
         worker.log_event(self.name, {"action": "setup", "backend": rt.name})
 
     async def teardown(self, worker: Worker) -> None:
@@ -144,6 +146,7 @@ class OverlapPlugin(WorkerPlugin):
             rt = _live.pop(id(worker), None)
         if rt is None:
             return
+        uninstall_worker_metrics(worker)
         stats = await asyncio.to_thread(_drain_and_close, rt)
         try:
             worker.log_event(self.name, {"action": "teardown", "closed": rt.closed, **stats})
