@@ -16,17 +16,20 @@ from .runtime import Runtime, close_runtimes, get_runtime, runtime_stats
 
 if TYPE_CHECKING:
     from .cluster import LocalGPUCluster
+    from .dashboard import OverlapSchedulerPlugin, register
     from .plugin import OverlapPlugin
 
 __all__ = [
     "LocalGPUCluster",
     "Options",
     "OverlapPlugin",
+    "OverlapSchedulerPlugin",
     "Runtime",
     "TimedModel",
     "close_runtimes",
     "get_runtime",
     "map_blocks",
+    "register",
     "runtime_stats",
 ]
 __version__ = "0.1.0"
@@ -44,4 +47,8 @@ def __getattr__(name: str) -> Any:
         from .cluster import LocalGPUCluster
 
         return LocalGPUCluster
+    if name in ("OverlapSchedulerPlugin", "register"):
+        from . import dashboard
+
+        return getattr(dashboard, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
