@@ -27,6 +27,7 @@ from distributed.worker_memory import parse_memory_limit
 from . import __version__
 from .cluster import THREADS_PER_WORKER, WorkerLayout, plan_workers
 from .config import Options
+from .dashboard import register_with_scheduler
 from .plugin import OverlapPlugin, resolve_options
 
 __all__ = ["main", "options_from_params"]
@@ -231,6 +232,8 @@ async def _serve(
 
     async def run_all() -> None:
         await asyncio.gather(*nannies)
+        # The scheduler's /overlap page; a warning, not a failure, if it cannot load it.
+        await register_with_scheduler(nannies[0].scheduler_addr, nannies[0].connection_args)
         await asyncio.gather(*(n.finished() for n in nannies))
 
     signalled = asyncio.create_task(_wait_for_signal())

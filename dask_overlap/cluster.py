@@ -23,6 +23,7 @@ from distributed import LocalCluster
 from distributed.worker_memory import parse_memory_limit
 
 from .config import Options, check_positive_int
+from .dashboard import OverlapSchedulerPlugin
 from .plugin import OverlapPlugin, resolve_options
 
 __all__ = [
@@ -257,6 +258,10 @@ class LocalGPUCluster(LocalCluster):
         )
         self.plugin = OverlapPlugin(self.layout.options)
         plugins = (*kwargs.pop("plugins", ()), self.plugin)
+        # The scheduler's /overlap dashboard page (see dask_overlap.dashboard).
+        scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
+        dashboard_plugin = OverlapSchedulerPlugin()
+        scheduler_kwargs["plugins"] = [*scheduler_kwargs.get("plugins", ()), dashboard_plugin]
         threads = THREADS_PER_WORKER if threads_per_worker is None else threads_per_worker
         if memory_limit is not None:
             memory_limit = parse_memory_limit(memory_limit, 1, self.layout.n_workers, logger=logger)
@@ -268,6 +273,7 @@ class LocalGPUCluster(LocalCluster):
             processes=True,
             memory_limit=memory_limit,
             plugins=plugins,
+            scheduler_kwargs=scheduler_kwargs,
             **kwargs,
         )
         self.scale(self.layout.n_workers)
