@@ -4,4 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --disable-pip-version-check -e ".[test]"
+# The browser test of the dashboard needs Debian's chromium (skipped without it).
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update && apt-get install -y chromium
+fi
 exec python3 -m pytest -q -p no:cacheprovider "$@"

@@ -52,6 +52,8 @@ _GB = 1e9
 
 def _link_bandwidth(value: Any = None) -> float:
     value = dask.config.get("overlap.link-bandwidth") if value is None else value
+    if isinstance(value, float) and value > 0:  # as a snapshot carries it
+        return value
     return float(check_bytes("link_bandwidth", value))
 
 

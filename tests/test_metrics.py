@@ -1,0 +1,254 @@
+"""What partition tasks and workers report: fine performance metrics, heartbeats, Prometheus."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, span, wait
+from distributed.metrics import context_meter
+from distributed.utils import key_split
+
+import dask_overlap
+from dask_overlap import metrics
+from dask_overlap.metrics import TaskMeter, busy_unit, snapshot, worker_metrics
+
+STAGE_LABELS = ("overlap-staging", "overlap-h2d", "overlap-compute", "overlap-d2h")
+# A pinned pool smaller than one partition's output: every output falls back (counted),
+# while the 16 KiB staging buffers still fit.
+PLUGIN = dict(backend="host", pinned_pool_size="64KiB", in_flight=2, streams=2)
+
+
+def poll(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """``condition()`` once truthy; fail after ``timeout`` s (a bound, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.05)
+
+
+def double(b: np.ndarray) -> np.ndarray:
+    return b * 2
+
+
+# -- the meter, without a cluster -----------------------------------------------------
+def test_task_meter_totals_and_units() -> None:
+    m = TaskMeter(("x", 0), "host")
+    m.waited("h2d", 0.25, blocked=False)
+    m.waited(metrics_stage("D2H"), 0.5, blocked=False)
+    m.waited("h2d", 1.0, blocked=True)  # a full window: backpressure, not a stage
+    m.spans([("stage", 0.0, 1.0, 10), ("h2d", 1.0, 3.0, 10), ("compute", 3.0, 4.0, 10)])
+    m.spans([("d2h", 4.0, 4.5, 8)])
+    m.fallback(2)
+    m.fallback(0)
+    got = {(label, unit): v for label, unit, v in m.metrics()}
+    assert got == {
+        ("overlap-h2d", "seconds"): 0.25,
+        ("overlap-d2h", "seconds"): 0.5,
+        ("overlap-backpressure", "seconds"): 1.0,
+        ("overlap-staging", "stream-seconds"): 1.0,
+        ("overlap-h2d", "stream-seconds"): 2.0,
+        ("overlap-compute", "stream-seconds"): 1.0,
+        ("overlap-d2h", "stream-seconds"): 0.5,
+        ("overlap-staging", "bytes"): 10,
+        ("overlap-h2d", "bytes"): 10,
+        ("overlap-d2h", "bytes"): 8,
+        ("overlap-pinned-fallback", "count"): 2,
+    }
+    assert busy_unit("cuda") == "gpu-seconds"
+    assert all(unit != "seconds" for unit in {busy_unit(b) for b in ("cuda", "host", "timed")})
+
+
+def metrics_stage(name: str) -> Any:
+    from dask_overlap.engine import Stage
+
+    return Stage[name]
+
+
+def test_digest_goes_to_the_context_meter_of_this_thread_only() -> None:
+    m = TaskMeter(("x", 0), "host")
+    m.spans([("h2d", 0.0, 1.0, 100)])
+    got: list[tuple] = []
+    with context_meter.add_callback(lambda label, value, unit: got.append((label, unit, value))):
+        with m.task():
+            pass
+    assert ("overlap-h2d", "bytes", 100) in got
+    assert ("overlap-h2d", "stream-seconds", 1.0) in got
+
+
+def test_nvtx_ranges_are_named_after_the_key_and_sub_chunk(monkeypatch) -> None:
+    pushed: list[tuple[str, int]] = []
+    popped: list[None] = []
+    fake = (lambda msg, color: pushed.append((msg, color)), lambda: popped.append(None))
+    monkeypatch.setattr(metrics, "_nvtx", lambda: fake)
+    with metrics.nvtx_range("host", ("x", 1)):  # not the cuda backend: nothing
+        pass
+    assert pushed == []
+    with metrics.nvtx_range("cuda", ("x", 1)):
+        with metrics.nvtx_range("cuda", ("x", 1), 3, "h2d"):
+            pass
+    assert [p[0] for p in pushed] == ["('x', 1)", "('x', 1) #3 h2d"]
+    assert len(popped) == 2
+
+
+def test_worker_metrics_and_snapshot_of_a_threaded_run() -> None:
+    x = da.ones((64, 1024), chunks=(32, 1024))
+    y = dask_overlap.map_blocks(double, x, split_axis=0, sub_chunk_bytes="32KiB")
+    with dask.config.set({"overlap.backend": "host"}):
+        np.testing.assert_array_equal(y.compute(), 2 * np.ones((64, 1024)))
+    rt = dask_overlap.get_runtime("host")
+    now = max(s.end for s in rt.timeline)
+    m = worker_metrics(rt, now=now)
+    assert m["bytes_h2d"] == m["bytes_d2h"] == x.nbytes
+    assert m["h2d_bytes_per_second"] > 0 and m["d2h_bytes_per_second"] > 0
+    assert m["overlap_efficiency"] >= 1.0  # busy time over the wall time when busy
+    assert m["window_capacity"] == rt.options.in_flight  # nothing running now
+    snap = snapshot(rt, window=60, limit=5, now=now)
+    cols = snap["timeline"]
+    assert {len(v) for v in cols.values()} == {5}
+    assert set(cols["stage"]) <= set(metrics.STAGES)
+    assert snapshot(rt, window=60, limit=0, now=now)["timeline"]["start"] == []
+
+
+def test_union_of_intervals() -> None:
+    assert metrics._union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0
+    assert metrics._union([]) == 0.0
+
+
+class FakeWorker:
+    address = "tcp://fake:1"
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, Any] = {}
+        self.handlers: dict[str, Any] = {}
+
+
+def test_install_and_prometheus_collector() -> None:
+    from prometheus_client import REGISTRY, generate_latest
+
+    rt = dask_overlap.get_runtime("host")
+    rt.counters.add(bytes_h2d=123)
+    w = FakeWorker()
+    metrics.install_worker_metrics(w, rt)  # type: ignore[arg-type]
+    try:
+        assert w.metrics[metrics.METRICS_NAME](w)["bytes_h2d"] == 123
+        assert w.handlers[metrics.SNAPSHOT_HANDLER](window=1, limit=1)["bytes_h2d"] == 123
+        text = generate_latest(REGISTRY).decode()
+        assert 'dask_overlap_bytes_total{direction="h2d",worker="tcp://fake:1"} 123.0' in text
+    finally:
+        metrics.uninstall_worker_metrics(w)  # type: ignore[arg-type]
+    assert w.metrics == w.handlers == {}
+    assert "tcp://fake:1" not in generate_latest(REGISTRY).decode()
+
+
+# -- on a real cluster ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run() -> Iterator[dict[str, Any]]:
+    """One run on a two-worker cluster, inside a span; what the test functions look at."""
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=2,
+            processes=True,
+            dashboard_address=None,
+            worker_dashboard_address="127.0.0.1:0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        dask_overlap.register(client, **PLUGIN)
+        # Persisted first, so that the partition tasks are not fused with the input's.
+        x = da.random.random((2000, 64), chunks=(250, 64)).persist()
+        y = dask_overlap.map_blocks(double, x, split_axis=0, sub_chunk_bytes="16KiB")
+        with span("overlap-metrics-test") as span_id:
+            y = y.persist()
+            wait(y)
+        yield {
+            "cluster": cluster,
+            "client": client,
+            "span_id": span_id,
+            "prefix": key_split(y.__dask_keys__()[0][0]),
+            "nbytes": x.nbytes,
+        }
+
+
+def ours(store: dict) -> dict[tuple[str, str], float]:
+    """``{(label, unit): value}`` of our execute metrics in a metrics store."""
+    out: dict[tuple[str, str], float] = {}
+    for k, v in store.items():
+        if isinstance(k, tuple) and k[0] == "execute" and str(k[-2]).startswith("overlap-"):
+            out[k[-2], k[-1]] = out.get((k[-2], k[-1]), 0) + v
+    return out
+
+
+def test_fine_metrics_reach_the_scheduler(run: dict[str, Any]) -> None:
+    sched = run["cluster"].scheduler
+
+    def complete() -> dict | None:
+        got = ours(sched.cumulative_worker_metrics)
+        return got if got.get(("overlap-d2h", "bytes"), 0) >= run["nbytes"] else None
+
+    got = poll(complete)
+    for label in STAGE_LABELS:
+        assert got[label, "stream-seconds"] > 0, label
+    assert got["overlap-h2d", "bytes"] == got["overlap-d2h", "bytes"] == run["nbytes"]
+    assert got["overlap-backpressure", "seconds"] > 0
+    assert got["overlap-pinned-fallback", "count"] >= 8  # every output: see PLUGIN
+    waits = [v for (label, unit), v in got.items() if unit == "seconds" and label in STAGE_LABELS]
+    assert waits and sum(waits) > 0
+    # Under the task's prefix, as /individual-fine-performance-metrics groups them.
+    keys = [k for k in sched.cumulative_worker_metrics if isinstance(k, tuple)]
+    assert ("execute", run["prefix"], "overlap-h2d", "bytes") in keys, run["prefix"]
+    # Dask subtracts "seconds" metrics from the thread's time: ours must not overdraw it.
+    noncpu = sched.cumulative_worker_metrics[("execute", run["prefix"], "thread-noncpu", "seconds")]
+    assert noncpu >= 0
+
+
+def test_fine_metrics_inside_a_span(run: dict[str, Any]) -> None:
+    spans = run["cluster"].scheduler.extensions["spans"]
+
+    def in_span() -> dict | None:
+        got = ours(spans.spans[run["span_id"]].cumulative_worker_metrics)
+        return got if got.get(("overlap-d2h", "bytes"), 0) >= run["nbytes"] else None
+
+    got = poll(in_span)
+    assert got["overlap-h2d", "stream-seconds"] > 0
+
+
+def test_heartbeat_metrics_reach_the_scheduler(run: dict[str, Any]) -> None:
+    sched = run["cluster"].scheduler
+
+    def beats() -> list | None:
+        ms = [ws.metrics.get("overlap") for ws in sched.workers.values()]
+        return ms if all(m and m["partitions"] for m in ms) else None
+
+    ms = poll(beats)
+    assert sum(m["bytes_h2d"] for m in ms) == run["nbytes"]
+    for m in ms:
+        assert m["in_flight"] == 0 and m["pinned_pool_size"] == 64 * 1024
+        for k in ("h2d_bytes_per_second", "d2h_bytes_per_second", "overlap_efficiency"):
+            assert isinstance(m[k], float)
+        assert m["backpressure_seconds"] >= 0 and m["pinned_fallbacks"] > 0
+
+
+def test_worker_prometheus_endpoint(run: dict[str, Any]) -> None:
+    ports = run["client"].run(lambda dask_worker: dask_worker.http_server.port)
+    total = 0.0
+    for address, port in ports.items():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        series = f'dask_overlap_bytes_total{{direction="h2d",worker="{address}"}}'
+        line = next(ln for ln in text.splitlines() if ln.startswith(series))
+        total += float(line.split()[-1])
+        for name in ("in_flight", "pinned_bytes_in_use", "overlap_efficiency", "busy_seconds"):
+            assert f"dask_overlap_{name}" in text, name
+    assert total == run["nbytes"]
