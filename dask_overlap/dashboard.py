@@ -150,13 +150,13 @@ class _WorkerPanel:
             sizing_mode="stretch_width",
             tools="xpan,xwheel_zoom,reset",
         )
-        only_rate = CDSView(filter=GroupFilter(column_name="worker", group=address))
+        # Its own source: Bokeh cannot filter a line's points through a view.
+        self.rate_source = ColumnDataSource({"time": [], "h2d": [], "d2h": []})
         for stage in ("h2d", "d2h"):
             self.throughput.line(
                 "time",
                 stage,
-                source=view.throughput_source,
-                view=only_rate,
+                source=self.rate_source,
                 color=COLORS[stage],
                 line_width=2,
                 legend_label=STAGE_NAMES[stage],
@@ -216,6 +216,7 @@ class _WorkerPanel:
 
         names = {j: ("staging" if j < 0 else f"stream {j}") for j in lanes}
         self.timeline.yaxis.ticker = FixedTicker(ticks=lanes)
+        self.timeline.height = max(200, 70 + 15 * len(lanes))
         self.timeline.yaxis.major_label_overrides = names
         pinned = w.get("pinned_bytes_in_use", 0)
         pinned_max = w.get("pinned_pool_size", 0) or 1
@@ -285,9 +286,6 @@ class OverlapView:
 
         self.link_bandwidth = link_bandwidth
         self.timeline_source = ColumnDataSource(self._empty_timeline(), name="overlap-timeline")
-        self.throughput_source = ColumnDataSource(
-            {"worker": [], "time": [], "h2d": [], "d2h": []}, name="overlap-throughput"
-        )
         self.x_range = Range1d(0, 1)
         self.header = Div(sizing_mode="stretch_width")
         self.root = column(self.header, sizing_mode="stretch_width")
@@ -305,7 +303,6 @@ class OverlapView:
         for gone in set(self.panels) - set(workers):
             self.root.children.remove(self.panels.pop(gone).root)
         tl = self._empty_timeline()
-        rates: dict[str, list] = {"worker": [], "time": [], "h2d": [], "d2h": []}
         starts = [s for w in workers.values() for s in w["timeline"]["start"]]
         ends = [e for w in workers.values() for e in w["timeline"]["end"]]
         now = float(snap.get("time", time.time()))
@@ -338,16 +335,12 @@ class OverlapView:
                 tl["color"].append(COLORS.get(st, "#7f7f7f"))
                 tl["nbytes_text"].append(_fmt_bytes(n))
                 tl["ms"].append((b - a) * 1000)
-            r = _throughput(t, lo, hi)
-            rates["worker"] += [address] * len(r["time"])
-            for c in ("time", "h2d", "d2h"):
-                rates[c] += r[c]
             if address not in self.panels:
                 self.panels[address] = _WorkerPanel(self, address)
                 self.root.children.append(self.panels[address].root)
+            self.panels[address].rate_source.data = _throughput(t, lo, hi)
             self.panels[address].update(w, lanes)
         self.timeline_source.data = tl
-        self.throughput_source.data = rates
         self.x_range.start, self.x_range.end = lo * 1000, hi * 1000
         n = len(tl["worker"])
         self.header.text = (

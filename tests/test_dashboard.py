@@ -206,7 +206,7 @@ def test_view_and_static_render(tmp_path: Path) -> None:
     view.update(synthetic())
     assert len(view.timeline_source.data["left"]) == 18
     assert set(view.timeline_source.data["color"]) == {"#1f77b4", "#2ca02c", "#ff7f0e"}
-    rates = view.throughput_source.data
+    rates = view.panels["w"].rate_source.data
     # Every byte copied lands in some bin: rate x bin width sums to the bytes moved.
     width = (rates["time"][1] - rates["time"][0]) / 1000
     assert sum(rates["h2d"]) * width * 1e9 == pytest.approx(6 * 2**20)
