@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -214,3 +217,22 @@ def test_view_and_static_render(tmp_path: Path) -> None:
     assert view.panels == {} and view.timeline_source.data["left"] == []
     out = render_html(synthetic(), str(tmp_path / "overlap.html"))
     assert "overlap-timeline" in Path(out).read_text()
+
+
+def test_cli_worker_adds_the_page(tmp_path: Path) -> None:
+    with LocalCluster(n_workers=0, dashboard_address="127.0.0.1:0") as cluster:
+        assert "overlap-dashboard" not in cluster.scheduler.plugins
+        cmd = [sys.executable, "-m", "dask", "overlap", "worker", cluster.scheduler_address]
+        cmd += ["--allow-cpu", "--cuda-visible-devices", "", "--n-workers", "1"]
+        cmd += ["--no-dashboard", "--local-directory", str(tmp_path)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            poll(lambda: "overlap-dashboard" in cluster.scheduler.plugins, timeout=60)
+            assert get(f"{base_url(cluster)}/overlap")[0] == 200
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
