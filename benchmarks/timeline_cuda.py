@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     rows = parse_bytes(args.partition) // 4096
-    dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": 3 * rows * 4096})
+    dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": 8 * rows * 4096})
     rt = dask_overlap.get_runtime("cuda")
     backend = rt.backend
     block = backend.pinned.allocate(rows * 4096)

@@ -60,7 +60,7 @@ bench_case() {  # name, then bench_overlap.py arguments
 }
 
 run_bench() {
-    local common=(--size 8GiB --threads 4 --naive-threads 1,4,8)
+    local common=(--size 8GiB --threads 4 --naive-threads ${NAIVE_THREADS:-1,4,8})
     local cases=("$@")
     [ ${#cases[@]} -eq 0 ] && cases=(balanced-pinned balanced-pageable transfer-pinned
         compute-pinned balanced-16MiB)
@@ -92,6 +92,18 @@ case $what in
     tests) run_tests ;;
     trap) run_trap ;;
     timeline) run_timeline ;;
+    pick)  # time both device resources on 2 GiB, then the benchmark with the faster one
+        best=pool; bestv=0
+        for mr in pool async; do
+            v=$(DASK_OVERLAP_CUDA_DEVICE_MR=$mr timeout 90 python3 benchmarks/diag_cuda.py \
+                --parts 8 --variant "$mr" 2>&1 | tee -a "$OUT/pick.log" | grep -o '[0-9.]* GB/s' | head -n 1)
+            echo "device resource $mr: $v" | tee -a "$OUT/pick.log"
+            v=${v% GB/s}
+            if [ -n "$v" ] && python3 -c "import sys; sys.exit(not $v > $bestv)"; then best=$mr; bestv=$v; fi
+        done
+        echo "using $best" | tee -a "$OUT/pick.log"
+        export DASK_OVERLAP_CUDA_DEVICE_MR=$best
+        run_timeline; run_tests; run_bench "$@" ;;
     bench) run_bench "$@" ;;
     all) run_tests; run_trap; run_timeline; run_bench "$@" ;;
     *) echo "usage: $0 [tests|trap|timeline|bench|all] [cases...]"; exit 2 ;;

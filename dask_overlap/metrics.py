@@ -240,7 +240,12 @@ def _nvtx() -> tuple[Callable[[str, int], Any], Callable[[], Any]] | None:
             return None
 
         def cupy_push(message: str, color: int) -> None:
-            cupy_nvtx.RangePush(message, argb_color=color)
+            # CuPy 14's RangePush takes no colour keyword (seen on the H200): RangePushC
+            # takes an ARGB colour; plain RangePush is the fallback.
+            try:
+                cupy_nvtx.RangePushC(message, color)
+            except (AttributeError, TypeError):
+                cupy_nvtx.RangePush(message)
 
         return cupy_push, cupy_nvtx.RangePop
     except Exception:

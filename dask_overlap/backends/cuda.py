@@ -216,6 +216,11 @@ class CudaStream:
         self._thread.join()
 
 
+# Which RMM device resource backs CuPy: "pool" (PoolMemoryResource over cudaMalloc) or
+# "async" (CudaAsyncMemoryResource, the driver's stream-ordered pool, which tracks
+# cross-stream reuse itself). An experiment switch until the benchmark settles it.
+DEVICE_MR = os.environ.get("DASK_OVERLAP_CUDA_DEVICE_MR", "pool")
+WAIT_LEGACY = True  # experiment knob: device inputs wait for the legacy default stream
 _device_pools: dict[int, Any] = {}
 _device_pools_lock = threading.Lock()
 
@@ -227,11 +232,20 @@ def _device_pool(device_id: int, size: int) -> Any:
         if stats is None:
             size = _align_up(size)
             with cupy.cuda.Device(device_id):
-                pool = rmm.mr.PoolMemoryResource(
-                    rmm.mr.CudaMemoryResource(),
-                    initial_pool_size=min(size, _align_up(2 * 2**30)),
-                    maximum_pool_size=size,
-                )
+                if DEVICE_MR == "async":
+                    pool = rmm.mr.LimitingResourceAdaptor(
+                        rmm.mr.CudaAsyncMemoryResource(
+                            initial_pool_size=min(size, _align_up(2 * 2**30)),
+                            release_threshold=size,
+                        ),
+                        allocation_limit=size,
+                    )
+                else:
+                    pool = rmm.mr.PoolMemoryResource(
+                        rmm.mr.CudaMemoryResource(),
+                        initial_pool_size=min(size, _align_up(2 * 2**30)),
+                        maximum_pool_size=size,
+                    )
                 stats = rmm.mr.StatisticsResourceAdaptor(pool)
                 rmm.mr.set_per_device_resource(device_id, stats)
             cupy.cuda.set_allocator(rmm_cupy_allocator)
@@ -338,7 +352,7 @@ class CudaBackend:
     def compute(
         self, stream: CudaStream, func: Callable[..., Any], args: list, kwargs: dict
     ) -> Any:
-        if any(isinstance(a, cupy.ndarray) for a in args):
+        if WAIT_LEGACY and any(isinstance(a, cupy.ndarray) for a in args):
             # Device input may come from work on the legacy default stream (plain CuPy in
             # another task), which our non-blocking streams do not wait for by themselves.
             stream.cupy.wait_event(cupy.cuda.Stream.null.record())
