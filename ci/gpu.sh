@@ -103,7 +103,7 @@ case $what in
         done
         echo "using $best" | tee -a "$OUT/pick.log"
         export DASK_OVERLAP_CUDA_DEVICE_MR=$best
-        run_timeline; run_tests; run_bench "$@" ;;
+        run_timeline; run_bench "$@"; run_tests ;;
     bench) run_bench "$@" ;;
     all) run_tests; run_trap; run_timeline; run_bench "$@" ;;
     *) echo "usage: $0 [tests|trap|timeline|bench|all] [cases...]"; exit 2 ;;
