@@ -319,3 +319,68 @@ def test_plugin_validates_on_the_client() -> None:
         OverlapPlugin(in_flite=2)
     with pytest.raises(TypeError, match="options must be a dask_overlap.Options, got dict"):
         OverlapPlugin({"in_flight": 2})  # type: ignore[arg-type]
+
+
+# --- on a GPU (pytest -m gpu; skipped where none is visible) -------------------------
+
+needs_gpu = pytest.mark.skipif(
+    importlib.util.find_spec("cupy") is None or not visible_gpus(),
+    reason="needs CuPy and a visible CUDA GPU",
+)
+GPU_OPTIONS: dict[str, Any] = dict(pinned_pool_size="256MiB", device_pool_size="2GiB")
+
+
+def affine(b: Any) -> Any:
+    return b * 2 + 1  # NumPy and CuPy blocks alike
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_local_gpu_cluster_one_worker_per_gpu() -> None:
+    gpus = visible_gpus()
+    with (
+        LocalGPUCluster(**GPU_OPTIONS, **CLUSTER_KW) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        envs = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"].split(","))
+        assert sorted(e[0] for e in envs.values()) == sorted(gpus)
+
+        x = da.random.random((1 << 16, 256), chunks=(1 << 13, 256)).astype(np.float32)
+        ours = dask_overlap.map_blocks(affine, x, split_axis=0, sub_chunk_bytes="1MiB")
+        got, theirs = client.compute([ours, da.map_blocks(affine, x)], sync=True)
+        np.testing.assert_array_equal(got, theirs)
+        stats = client.run(runtime_stats)
+        assert {s["backend"] for s in stats.values()} == {"cuda"}
+        assert sum(s["partitions"] for s in stats.values()) == 8
+
+        since = time.time()
+        client.unregister_worker_plugin(OverlapPlugin.name)
+        events = poll(
+            lambda: (
+                [
+                    m
+                    for t, m in client.get_events(OverlapPlugin.name)
+                    if t >= since and m["action"] == "teardown"
+                ]
+                or None
+            )
+        )
+        assert all(e["closed"] and e["in_flight"] == 0 for e in events), events
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_two_workers_on_one_gpu() -> None:
+    gpu = visible_gpus()[0]
+    with (
+        LocalGPUCluster(2, cuda_visible_devices=gpu, **GPU_OPTIONS, **CLUSTER_KW) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        envs = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
+        assert list(envs.values()) == [gpu, gpu]
+        x = da.random.random((1 << 16, 256), chunks=(1 << 12, 256)).astype(np.float32)
+        ours = dask_overlap.map_blocks(affine, x, split_axis=0, sub_chunk_bytes="1MiB")
+        got, theirs = client.compute([ours, da.map_blocks(affine, x)], sync=True)
+        np.testing.assert_array_equal(got, theirs)
+        stats = client.run(runtime_stats)
+        assert all(s["backend"] == "cuda" and s["partitions"] > 0 for s in stats.values())
