@@ -123,7 +123,6 @@ class OverlapPlugin(WorkerPlugin):
     """
 
     name = "overlap"
-    idempotent = False
 
     def __init__(self, options: Options | None = None, **overrides: Any):
         self.options = resolve_options(options, **overrides)
