@@ -299,6 +299,9 @@ def test_guard_pickles_kernels_by_reference() -> None:
     guard_kernel_pickling()
     k = cp.ElementwiseKernel("T x", "T y", "y = x + 1", "plus_one_by_ref")
     assert pickle.loads(pickle.dumps(k)) is k
+    # RawKernel keeps CuPy's own pickling (source, recompiled), which can cross processes.
+    raw = cp.RawKernel('extern "C" __global__ void nop() {}', "nop")
+    assert pickle.loads(pickle.dumps(raw)) is not raw
 
 
 @pytest.mark.parametrize("kind", ["elementwise", "reduction", "raw"])

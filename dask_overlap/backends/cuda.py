@@ -476,6 +476,10 @@ class CudaBackend:
 # next launch fails with CUDA_ERROR_INVALID_HANDLE (``moduleUnload`` errors follow at exit).
 # In the same process the copy is pointless: pickle the kernel as a reference to the
 # original, and give the original back on unpickling.
+#
+# Seen on the H200 (CuPy 14.2, Dask 2026.8): ElementwiseKernel fails so; ReductionKernel and
+# RawKernel closed over the same way work (RawKernel pickles its source and recompiles), so
+# they keep their own pickling, which also lets them travel to other processes.
 
 _kernels: dict[int, Any] = {}
 _kernels_lock = threading.Lock()
@@ -486,10 +490,9 @@ def _kernel_by_reference(pid: int, key: int) -> Any:
     kernel = _kernels.get(key) if pid == os.getpid() else None
     if kernel is None:
         raise RuntimeError(
-            "a CuPy kernel object (ElementwiseKernel, ReductionKernel, RawKernel or "
-            "RawModule) that func closes over was sent to another process, where it cannot "
-            "be used: create the kernel inside func, or define it in an importable module "
-            "(not __main__) so that each process builds its own"
+            "a cupy.ElementwiseKernel that func closes over was sent to another process, "
+            "where it cannot be used: create the kernel inside func, or define it in an "
+            "importable module (not __main__) so that each process builds its own"
         )
     return kernel
 
@@ -503,7 +506,7 @@ def _reduce_kernel(kernel: Any) -> tuple[Any, tuple[int, int]]:
 
 
 def guard_kernel_pickling() -> None:
-    """Make CuPy kernel objects pickle as in-process references (idempotent).
+    """Make ``cupy.ElementwiseKernel`` objects pickle as in-process references (idempotent).
 
     Called by :func:`dask_overlap.map_blocks` when CuPy is imported, before Dask pickles
     the task, and by the cuda backend. See the comment above this function.
@@ -519,7 +522,5 @@ def guard_kernel_pickling() -> None:
     global _guarded
     if _guarded:
         return
-    types = [cupy.ElementwiseKernel, cupy.ReductionKernel, cupy.RawKernel, cupy.RawModule]
-    for t in types:
-        copyreg.pickle(t, _reduce_kernel)
+    copyreg.pickle(cupy.ElementwiseKernel, _reduce_kernel)
     _guarded = True
