@@ -23,8 +23,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
 
 import dask
 import dask.array as da
@@ -38,23 +36,11 @@ from dask_overlap.backends import resolve_backend
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ceilings import measure_ceilings  # noqa: E402
+from kernels import make_kernel  # noqa: E402
 
 WORKLOADS = ("balanced", "transfer", "compute")
 # Kernel time of one partition relative to that partition's H2D copy.
 KERNEL_RATIO = {"balanced": 1.0, "transfer": 0.0, "compute": 3.0}
-
-
-def make_kernel(iterations: int) -> Callable[[Any], Any]:
-    """An elementwise kernel of adjustable length that works on NumPy and CuPy arrays."""
-
-    def kernel(x: Any) -> Any:
-        y = x * np.float32(1.0001) + np.float32(0.5)
-        for _ in range(iterations):
-            y = y * np.float32(0.9999) + np.float32(0.25)
-        return y
-
-    kernel.__name__ = f"kernel{iterations}"
-    return kernel
 
 
 def persist_seconds(arr: da.Array, threads: int) -> tuple[float, list[np.ndarray]]:
@@ -97,6 +83,9 @@ def bound_seconds(total_in: int, total_out: int, kernel_s: float, ceilings: dict
         stages["both_ways"] = (total_in + total_out) / ceilings["both"]
     if staged and ceilings.get("staging"):
         stages["staging"] = total_in / ceilings["staging"]
+    if ceilings.get("host_cores"):
+        # The host backend has no separate engines: every stage runs on the same cores.
+        stages["host_cpu"] = sum(stages.values()) / ceilings["host_cores"]
     name = max(stages, key=stages.get)
     return stages[name], name, stages
 

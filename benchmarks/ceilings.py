@@ -8,6 +8,7 @@ iterations chosen so that the kernel takes ``ratio`` times one partition's H2D c
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +61,7 @@ def _timed(rt: Any, block: np.ndarray, ratio: float) -> tuple[dict, float, int]:
 def _host(rt: Any, block: np.ndarray, ratio: float, make_kernel: Callable) -> tuple:
     dst = np.empty_like(block)
     copy = block.nbytes / _best(lambda: np.copyto(dst, block))
-    ceilings = {"h2d": copy, "d2h": copy, "staging": copy}
+    ceilings = {"h2d": copy, "d2h": copy, "staging": copy, "host_cores": float(os.cpu_count() or 1)}
     base = _best(lambda: make_kernel(0)(block))
     one = _best(lambda: make_kernel(1)(block)) - base
     iterations = _iterations(one, base, ratio * block.nbytes / copy)
@@ -109,8 +110,11 @@ def _cuda(rt: Any, block: np.ndarray, ratio: float, make_kernel: Callable) -> tu
         k(dev_a)  # compile
         return timed(lambda: k(dev_a))
 
+    # The fused kernel's cost per iteration is small (one multiply-add per element):
+    # probe with enough iterations to rise clear of the memory-bound base time.
     base = kernel_seconds(0)
-    one = (kernel_seconds(8) - base) / 8
+    probe = 1024
+    one = (kernel_seconds(probe) - base) / probe
     iterations = _iterations(one, base, ratio * n / h2d)
     ceilings = {"h2d": h2d, "d2h": d2h, "both": both_rate, "staging": staging}
     return ceilings, kernel_seconds(iterations), iterations

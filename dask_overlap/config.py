@@ -20,6 +20,7 @@ from dask.utils import parse_bytes
 __all__ = ["BACKENDS", "Options", "TimedModel", "check_positive_int", "check_bytes"]
 
 BACKENDS = ("auto", "cuda", "host", "timed")
+DEVICE_MEMORY_RESOURCES = ("async", "pool")
 
 _here = os.path.dirname(__file__)
 with open(os.path.join(_here, "overlap.yaml")) as f:
@@ -55,6 +56,12 @@ def check_bytes(name: str, value: Any, *, allow_zero: bool = False) -> int:
     if parsed < 0 or (parsed == 0 and not allow_zero):
         raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
     return parsed
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
 
 
 def _check_rate(name: str, value: Any) -> float:
@@ -111,6 +118,7 @@ class Options:
     staging_threads: int
     pinned_pool_size: int
     device_pool_size: int
+    device_memory_resource: str
     timed: TimedModel
 
     @classmethod
@@ -150,5 +158,8 @@ class Options:
                 "pinned_pool_size", get("pinned_pool_size"), allow_zero=True
             ),
             device_pool_size=check_bytes("device_pool_size", get("device_pool_size")),
+            device_memory_resource=_check_choice(
+                "device_memory_resource", get("device_memory_resource"), DEVICE_MEMORY_RESOURCES
+            ),
             timed=timed,
         )

@@ -6,14 +6,21 @@ machines with no GPU and no CuPy.
 
 from __future__ import annotations
 
+import functools
+
 from ..config import BACKENDS, Options
 from .base import Backend, HostPool, Stream
 
 __all__ = ["Backend", "HostPool", "Stream", "gpu_available", "make_backend", "resolve_backend"]
 
 
+@functools.cache
 def gpu_available() -> bool:
-    """Whether CuPy is installed and sees a CUDA device (never raises)."""
+    """Whether CuPy is installed and sees a CUDA device (never raises).
+
+    Asked once per process: the answer cannot change (``CUDA_VISIBLE_DEVICES`` is read
+    when CUDA starts), and every partition task resolves ``auto`` through it.
+    """
     try:
         import cupy
     except Exception:

@@ -216,23 +216,20 @@ class CudaStream:
         self._thread.join()
 
 
-# Which RMM device resource backs CuPy: "pool" (PoolMemoryResource over cudaMalloc) or
-# "async" (CudaAsyncMemoryResource, the driver's stream-ordered pool, which tracks
-# cross-stream reuse itself). An experiment switch until the benchmark settles it.
-DEVICE_MR = os.environ.get("DASK_OVERLAP_CUDA_DEVICE_MR", "pool")
-WAIT_LEGACY = True  # experiment knob: device inputs wait for the legacy default stream
 _device_pools: dict[int, Any] = {}
 _device_pools_lock = threading.Lock()
 
 
-def _device_pool(device_id: int, size: int) -> Any:
+def _device_pool(device_id: int, size: int, resource: str) -> Any:
     """This process's RMM device pool for ``device_id``, installed as CuPy's allocator."""
     with _device_pools_lock:
         stats = _device_pools.get(device_id)
         if stats is None:
             size = _align_up(size)
             with cupy.cuda.Device(device_id):
-                if DEVICE_MR == "async":
+                # overlap.device-memory-resource: "async" is CUDA's stream-ordered pool
+                # (cross-stream reuse tracked by the driver), "pool" RMM's own.
+                if resource == "async":
                     pool = rmm.mr.LimitingResourceAdaptor(
                         rmm.mr.CudaAsyncMemoryResource(
                             initial_pool_size=min(size, _align_up(2 * 2**30)),
@@ -269,7 +266,9 @@ class CudaBackend:
         self.options = options
         self.device_id = cupy.cuda.runtime.getDevice()
         self._device = cupy.cuda.Device(self.device_id)
-        self._device_mr = _device_pool(self.device_id, options.device_pool_size)
+        self._device_mr = _device_pool(
+            self.device_id, options.device_pool_size, options.device_memory_resource
+        )
         self.pinned = PinnedPool(options.pinned_pool_size, self.device_id)
         self._names = itertools.count()
         self.tracing = False
@@ -324,7 +323,13 @@ class CudaBackend:
             return [t0 + cupy.cuda.get_elapsed_time(ref, m) / 1e3 for m in marks]
 
     # -- the three stream stages --------------------------------------------------------
-    def copy_in(self, stream: CudaStream, host: np.ndarray) -> cupy.ndarray:
+    def copy_in(self, stream: CudaStream, host: Any) -> cupy.ndarray:
+        if isinstance(host, cupy.ndarray):
+            # Device input needs no copy, but may come from work on the legacy default
+            # stream (plain CuPy in another task), which a non-blocking stream does not
+            # wait for by itself.
+            stream.cupy.wait_event(cupy.cuda.Stream.null.record())
+            return host
         with self._span(stream, "h2d"):
             dev = cupy.empty(host.shape, host.dtype)  # from the RMM pool, on ``stream``
             if host.nbytes == 0:
@@ -352,10 +357,6 @@ class CudaBackend:
     def compute(
         self, stream: CudaStream, func: Callable[..., Any], args: list, kwargs: dict
     ) -> Any:
-        if WAIT_LEGACY and any(isinstance(a, cupy.ndarray) for a in args):
-            # Device input may come from work on the legacy default stream (plain CuPy in
-            # another task), which our non-blocking streams do not wait for by themselves.
-            stream.cupy.wait_event(cupy.cuda.Stream.null.record())
         with self._span(stream, "compute"):
             return func(*args, **kwargs)
 
