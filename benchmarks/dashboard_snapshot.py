@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     cap.add_argument("out", type=Path)
     cap.add_argument("--gib", type=float, default=8.0, help="input size [8]")
     cap.add_argument("--chunk-mib", type=int, default=256, help="partition size [256]")
-    cap.add_argument("--delay", type=float, default=2.0, help="seconds into the run [2]")
+    cap.add_argument("--delay", type=float, default=1.0, help="seconds into the run [1]")
     ren = sub.add_parser("render", help="draw the page from a saved /overlap.json")
     ren.add_argument("src", type=Path)
     ren.add_argument("--html", type=Path, default=Path("benchmarks/results/overlap_dashboard.html"))

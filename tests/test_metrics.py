@@ -252,3 +252,25 @@ def test_worker_prometheus_endpoint(run: dict[str, Any]) -> None:
         for name in ("in_flight", "pinned_bytes_in_use", "overlap_efficiency", "busy_seconds"):
             assert f"dask_overlap_{name}" in text, name
     assert total == run["nbytes"]
+
+
+@pytest.mark.gpu
+def test_cuda_partitions_digest_gpu_seconds_and_have_nvtx() -> None:
+    cupy = pytest.importorskip("cupy")
+    if not cupy.cuda.is_available():
+        pytest.skip("no CUDA GPU visible")
+    x = da.ones((4096, 1024), chunks=(1024, 1024), dtype="f4")
+    y = dask_overlap.map_blocks(double, x, split_axis=0, sub_chunk_bytes="1MiB")
+    got: dict[tuple[str, str], float] = {}
+
+    def listen(label: str, value: float, unit: str) -> None:
+        got[label, unit] = got.get((label, unit), 0) + value
+
+    # The synchronous scheduler runs tasks in this thread, so this context sees them.
+    with dask.config.set({"overlap.backend": "cuda", "scheduler": "sync"}):
+        with context_meter.add_callback(listen):
+            np.testing.assert_array_equal(y.compute(), 2 * np.ones(x.shape, "f4"))
+    for label in ("overlap-h2d", "overlap-compute", "overlap-d2h"):
+        assert got[label, "gpu-seconds"] > 0, label
+    assert got["overlap-h2d", "bytes"] == got["overlap-d2h", "bytes"] == x.nbytes
+    assert metrics._nvtx() is not None  # CuPy's NVTX, at least
