@@ -43,12 +43,18 @@ def wait_until_idle(timeout: float = 10.0) -> dict[str, Any]:
         time.sleep(0.01)
 
 
-def pinned_in_use_after_gc() -> int:
-    """Pinned bytes still held once unreachable cycles are gone.
+def pinned_in_use_once_collected(timeout: float = 10.0) -> int:
+    """Pinned bytes still held once unreachable cycles are gone (bounded wait).
 
-    The threaded scheduler keeps finished partitions' results in frames that a raised
-    exception's traceback refers to (a reference cycle in Dask, not in this package), so
-    the pool's blocks come back at the next garbage collection rather than at once.
+    After a failure, the threaded scheduler's worker threads still hand finished
+    partitions' results to a queue that only a reference cycle keeps (in Dask, not in
+    this package), so the pool's blocks come back at a garbage collection after those
+    threads are done, rather than at once.
     """
-    gc.collect()
-    return dask_overlap.runtime_stats()["pinned_bytes_in_use"]
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        in_use = dask_overlap.runtime_stats()["pinned_bytes_in_use"]
+        if in_use == 0 or time.monotonic() > deadline:
+            return in_use
+        time.sleep(0.02)

@@ -85,19 +85,23 @@ def test_plan_one_row_per_sub_chunk_when_budget_is_tiny():
 def drive(pipe: Pipeline, rng: random.Random, fail: tuple[int, Stage] | None = None):
     """Complete outstanding actions in random order, checking invariants at every step.
 
+    Sub-chunks complete in any order; the stages of one sub-chunk complete in the order
+    they were issued (a stream is in order). When a stage fails, the stages issued behind
+    it on its stream never report (the runner skips them).
+
     Returns the actions issued, in order, and the length of ``pipe.history`` when the
     failure (if any) was delivered.
     """
     issued: list[Action] = []
     failed_at = None
-    outstanding: list[Action] = []
+    outstanding: dict[int, list[Action]] = {}  # per sub-chunk, in issue order
 
     def take(actions: list[Action]) -> None:
         for a in actions:
             if pipe.error is not None:
                 raise AssertionError(f"{a} issued after a failure")
             issued.append(a)
-            outstanding.append(a)
+            outstanding.setdefault(a.index, []).append(a)
 
     def check() -> None:
         assert pipe.in_flight <= pipe.window
@@ -108,19 +112,28 @@ def drive(pipe: Pipeline, rng: random.Random, fail: tuple[int, Stage] | None = N
         if pipe.pending:
             assert pipe.window_full
         assert pipe.blocked == (pipe.window_full and pipe.pending > 0)
-        # one outstanding action per sub-chunk in flight
+        # every sub-chunk in flight has work issued, and no other has
         assert len(outstanding) == pipe.in_flight
-        assert len({a.index for a in outstanding}) == len(outstanding)
+        for actions in outstanding.values():
+            stages = [a.stage for a in actions]
+            if pipe.stream_ordered and stages[0] != Stage.STAGE:
+                assert stages == ORDER[ORDER.index(stages[0]) :]  # the rest of the stream
+            else:
+                assert len(stages) == 1  # one stage at a time
 
     take(pipe.start())
     check()
     while outstanding:
-        a = outstanding.pop(rng.randrange(len(outstanding)))
+        index = rng.choice(list(outstanding))
+        a = outstanding[index].pop(0)
         if fail is not None and (a.index, a.stage) == fail:
             failed_at = len(pipe.history)
             actions = pipe.handle(Failed(a.stage, a.index, RuntimeError("boom")))
+            outstanding[index].clear()
         else:
             actions = pipe.handle(Done(a.stage, a.index))
+        if not outstanding[index]:
+            del outstanding[index]
         take(actions)
         check()
     assert pipe.done
@@ -137,11 +150,12 @@ def stage_orders(pipe: Pipeline) -> dict[int, list[Stage]]:
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 40])
 @pytest.mark.parametrize("window", [1, 2, 3, 4, 16])
 @pytest.mark.parametrize("staged", [True, False, "mixed"])
-def test_window_is_never_exceeded_and_is_reached(n, window, staged):
+@pytest.mark.parametrize("stream_ordered", [False, True])
+def test_window_is_never_exceeded_and_is_reached(n, window, staged, stream_ordered):
     for seed in range(5):
         rng = random.Random(seed * 1000 + n * 10 + window)
         flags = [rng.random() < 0.5 for _ in range(n)] if staged == "mixed" else staged
-        pipe = Pipeline(n, in_flight=window, staged=flags)
+        pipe = Pipeline(n, in_flight=window, staged=flags, stream_ordered=stream_ordered)
         issued, _ = drive(pipe, rng)
         assert pipe.completed == n
         assert pipe.failed == 0 and pipe.error is None
@@ -192,13 +206,54 @@ def test_large_window_admits_everything_at_once():
     assert not pipe.window_full and not pipe.blocked and pipe.pending == 0
 
 
+def test_stream_ordered_issues_a_sub_chunks_device_stages_together():
+    pipe = Pipeline(3, in_flight=2, staged=True, stream_ordered=True)
+    assert pipe.start() == [Action(Stage.STAGE, 0), Action(Stage.STAGE, 1)]
+    assert pipe.handle(Done(Stage.STAGE, 1)) == [
+        Action(Stage.H2D, 1),
+        Action(Stage.COMPUTE, 1),
+        Action(Stage.D2H, 1),
+    ]
+    # their completions arrive in stream order and issue nothing new
+    assert pipe.handle(Done(Stage.H2D, 1)) == []
+    with pytest.raises(EngineError, match="waits for COMPUTE"):
+        pipe.handle(Done(Stage.D2H, 1))
+    assert pipe.handle(Done(Stage.COMPUTE, 1)) == []
+    assert pipe.blocked
+    assert pipe.handle(Done(Stage.D2H, 1)) == [Action(Stage.STAGE, 2)]
+    assert not pipe.blocked and pipe.in_flight == 2
+
+
+def test_stream_ordered_unstaged_admission_issues_the_whole_stream():
+    pipe = Pipeline(2, in_flight=1, staged=False, stream_ordered=True)
+    assert pipe.start() == [Action(s, 0) for s in ORDER[1:]]
+    assert pipe.blocked
+    pipe.handle(Done(Stage.H2D, 0))
+    pipe.handle(Done(Stage.COMPUTE, 0))
+    assert pipe.handle(Done(Stage.D2H, 0)) == [Action(s, 1) for s in ORDER[1:]]
+
+
+def test_stream_ordered_drain_waits_for_stages_queued_on_the_stream():
+    pipe = Pipeline(5, in_flight=2, staged=False, stream_ordered=True)
+    pipe.start()  # 0 and 1: H2D, COMPUTE, D2H each
+    pipe.handle(Failed(Stage.H2D, 0, RuntimeError("x")))  # the runner skips 0's others
+    assert not pipe.done
+    # 1's stages were already queued: each still reports, and nothing new starts
+    assert pipe.handle(Done(Stage.H2D, 1)) == []
+    assert pipe.handle(Done(Stage.COMPUTE, 1)) == []
+    assert not pipe.done
+    assert pipe.handle(Done(Stage.D2H, 1)) == []
+    assert pipe.done and pipe.completed == 0 and pipe.failed == 1
+
+
 # -- failures ---------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", ORDER)
 @pytest.mark.parametrize("index", [0, 3, 9])
-def test_failure_drains_without_new_actions(stage, index):
+@pytest.mark.parametrize("stream_ordered", [False, True])
+def test_failure_drains_without_new_actions(stage, index, stream_ordered):
     for seed in range(5):
         rng = random.Random(seed)
-        pipe = Pipeline(10, in_flight=3, staged=True)
+        pipe = Pipeline(10, in_flight=3, staged=True, stream_ordered=stream_ordered)
         issued, failed_at = drive(pipe, rng, fail=(index, stage))
         assert pipe.done
         assert isinstance(pipe.error, RuntimeError) and str(pipe.error) == "boom"
