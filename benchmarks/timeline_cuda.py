@@ -25,7 +25,9 @@ from dask.utils import parse_bytes
 import dask_overlap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import array_of_views, make_kernel  # noqa: E402
+from bench_overlap import array_of_views  # noqa: E402
+from ceilings import measure_ceilings  # noqa: E402
+from kernels import make_kernel  # noqa: E402
 
 COLORS = {"h2d": "tab:blue", "compute": "tab:orange", "d2h": "tab:green"}
 
@@ -72,19 +74,24 @@ def plot(panels: list[tuple[str, list[dict[str, Any]]]], path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--partition", default="256MiB")
-    p.add_argument("--iterations", type=int, default=7, help="kernel loop (7: balanced)")
+    p.add_argument(
+        "--iterations", type=int, default=None, help="kernel length (default: balanced, calibrated)"
+    )
     p.add_argument("--sub-chunk", default=None)
     p.add_argument("--json", required=True)
     p.add_argument("--png", default=None)
     args = p.parse_args(argv)
 
     rows = parse_bytes(args.partition) // 4096
-    dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": 8 * rows * 4096})
+    dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": 12 * rows * 4096})
     rt = dask_overlap.get_runtime("cuda")
     backend = rt.backend
     block = backend.pinned.allocate(rows * 4096)
     host = block.view(np.float32).reshape(rows, 1024)
     host[...] = np.random.default_rng(0).random(host.shape, dtype=np.float32)
+    if args.iterations is None:
+        # Balanced: the kernel takes as long as the partition's H2D (see ceilings.py).
+        _, _, args.iterations = measure_ceilings(rt, host, "balanced", 1.0, make_kernel)
     func = make_kernel(args.iterations)
     sub = parse_bytes(args.sub_chunk) if args.sub_chunk else None
 
