@@ -1,0 +1,166 @@
+"""The per-process runtime and ``runtime_stats()``: counts that match the data moved."""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from conftest import wait_until_idle
+
+import dask_overlap
+
+REQUIRED = {
+    "backend",
+    "partitions",
+    "sub_chunks",
+    "bytes_h2d",
+    "bytes_d2h",
+    "in_flight",
+    "pinned_bytes_in_use",
+    "device_bytes_in_use",
+    "pinned_fallbacks",
+    "backpressure_seconds",
+}
+
+
+def data(rows=24, cols=10, chunk=8, dtype=np.float64) -> tuple[np.ndarray, da.Array]:
+    a = np.arange(rows * cols, dtype=dtype).reshape(rows, cols)
+    return a, da.from_array(a, chunks=(chunk, cols))
+
+
+def test_stats_before_any_runtime_are_zeros():
+    stats = dask_overlap.runtime_stats()
+    assert REQUIRED <= stats.keys()
+    assert stats["backend"] == "host"
+    for key in REQUIRED - {"backend"}:
+        assert stats[key] == 0, key
+
+
+def test_stats_count_what_moved():
+    a, x = data()
+    y = dask_overlap.map_blocks(
+        lambda b: (b * 0.5).astype(np.float32), x, split_axis=0, sub_chunk_bytes=8 * 10
+    )
+    np.testing.assert_array_equal(y.compute(), (a * 0.5).astype(np.float32))
+    stats = wait_until_idle()
+    assert REQUIRED <= stats.keys()
+    assert stats["backend"] == "host"
+    assert stats["partitions"] == 3
+    assert stats["partitions_failed"] == 0
+    assert stats["sub_chunks"] == 24  # one row each
+    assert stats["bytes_h2d"] == a.nbytes
+    assert stats["bytes_d2h"] == a.nbytes // 2  # float32 out
+    assert stats["bytes_staged"] == a.nbytes  # pageable input, staged once
+    assert stats["in_flight"] == 0
+    assert stats["pinned_fallbacks"] == 0
+    assert 1 <= stats["max_window"] <= 4
+    assert stats["backpressure_seconds"] >= 0
+    assert stats["pinned_bytes_in_use"] == 0
+    assert stats["device_bytes_in_use"] == 0
+
+
+def test_counts_accumulate_over_runs():
+    a, x = data()
+    for n in (1, 2, 3):
+        dask_overlap.map_blocks(np.negative, x).compute()
+        stats = wait_until_idle()
+        assert stats["partitions"] == 3 * n
+        assert stats["sub_chunks"] == 3 * n
+        assert stats["bytes_h2d"] == a.nbytes * n
+
+
+def test_outputs_stay_pinned_while_held_and_return_when_released():
+    a, x = data()
+    (y,) = dask.persist(dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=80))
+    stats = wait_until_idle()
+    # the outputs are handed to Dask as pinned blocks, without a copy
+    assert stats["pinned_bytes_in_use"] == a.nbytes
+    assert stats["device_bytes_in_use"] == 0
+    assert stats["in_flight"] == 0
+    np.testing.assert_array_equal(y.compute(), -a)
+    del y
+    stats = dask_overlap.runtime_stats()
+    assert stats["pinned_bytes_in_use"] == 0
+    assert stats["device_bytes_in_use"] == 0
+
+
+def test_pinned_input_is_not_staged_again():
+    a, x = data()
+    (y,) = dask.persist(dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=80))
+    before = wait_until_idle()
+    z = dask_overlap.map_blocks(np.negative, y, split_axis=0, sub_chunk_bytes=80)
+    np.testing.assert_array_equal(z.compute(), a)
+    after = wait_until_idle()
+    assert after["bytes_h2d"] - before["bytes_h2d"] == a.nbytes
+    assert after["bytes_staged"] == before["bytes_staged"]  # straight from pinned memory
+
+
+@pytest.mark.parametrize("pool", [0, 100, 700])
+def test_pinned_pool_smaller_than_an_output_falls_back(pool):
+    a, x = data()  # each output block is 640 bytes
+    with dask.config.set({"overlap.pinned-pool-size": pool}):
+        y = dask_overlap.map_blocks(lambda b: b + 1, x, split_axis=0, sub_chunk_bytes=80)
+        np.testing.assert_array_equal(y.compute(), a + 1)
+    stats = wait_until_idle()
+    assert stats["pinned_pool_size"] == pool
+    assert stats["pinned_fallbacks"] > 0
+    assert stats["pinned_bytes_peak"] <= pool
+    assert stats["pinned_bytes_in_use"] == 0
+    if pool < 80:  # not even one sub-chunk's staging buffer fits: everything fell back
+        assert stats["pinned_fallbacks"] == 24 + 3
+        assert stats["bytes_staged"] == 0
+
+
+def test_pinned_pool_large_enough_has_no_fallback():
+    a, x = data()
+    with dask.config.set({"overlap.pinned-pool-size": "1MiB"}):
+        y = dask_overlap.map_blocks(lambda b: b + 1, x, split_axis=0, sub_chunk_bytes=80)
+        np.testing.assert_array_equal(y.compute(), a + 1)
+    stats = wait_until_idle()
+    assert stats["pinned_fallbacks"] == 0
+    assert 0 < stats["pinned_bytes_peak"] <= 2**20
+
+
+def test_runtime_is_per_process_and_built_from_config():
+    with dask.config.set({"overlap.pinned-pool-size": 12345, "overlap.streams": 3}):
+        rt = dask_overlap.get_runtime()
+    assert rt is dask_overlap.get_runtime()
+    assert rt is dask_overlap.get_runtime("host")
+    assert rt.name == "host"
+    stats = dask_overlap.runtime_stats()
+    assert stats["pinned_pool_size"] == 12345
+    assert stats["streams"] == 3
+    dask_overlap.close_runtimes()
+    assert rt.closed
+    fresh = dask_overlap.get_runtime()
+    assert fresh is not rt
+    assert dask_overlap.runtime_stats()["pinned_pool_size"] != 12345
+    rt.close()  # idempotent
+
+
+def test_separate_runtimes_per_backend():
+    host = dask_overlap.get_runtime("host")
+    timed = dask_overlap.get_runtime("timed")
+    assert host is not timed
+    assert host.backend.name == "host" and timed.backend.name == "timed"
+    assert dask_overlap.runtime_stats("timed")["backend"] == "timed"
+    with dask.config.set({"overlap.backend": "timed"}):
+        assert dask_overlap.runtime_stats()["backend"] == "timed"
+
+
+@pytest.mark.timeout(60)
+def test_many_partitions_at_once_share_the_runtime():
+    """Partitions run concurrently on the scheduler's threads; the counters stay exact."""
+    a = np.random.default_rng(0).standard_normal((64, 32))
+    x = da.from_array(a, chunks=(4, 32))
+    y = dask_overlap.map_blocks(np.cos, x, split_axis=0, sub_chunk_bytes=32 * 8, in_flight=2)
+    with dask.config.set(num_workers=8):
+        np.testing.assert_array_equal(y.compute(), np.cos(a))
+    stats = wait_until_idle()
+    assert stats["partitions"] == 16
+    assert stats["sub_chunks"] == 64
+    assert stats["max_window"] == 2  # per partition
+    assert stats["in_flight"] == 0
+    assert stats["bytes_h2d"] == stats["bytes_d2h"] == a.nbytes
+    assert stats["pinned_bytes_in_use"] == 0
