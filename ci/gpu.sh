@@ -94,7 +94,7 @@ run_demo() {
 
 run_dashboard() {
     log "dashboard snapshot capture"
-    timeout 60 python3 benchmarks/dashboard_snapshot.py capture "$OUT/overlap-gpu.json" --gib 4 \
+    timeout 75 python3 benchmarks/dashboard_snapshot.py capture "$OUT/overlap-gpu.json" --gib 2 --delay 0.3 \
         2>&1 | tail -n 3 || status=1
 }
 

@@ -6,7 +6,7 @@ import dataclasses
 import importlib.util
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import dask
@@ -14,6 +14,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
+from support import poll
 
 import dask_overlap
 from dask_overlap import LocalGPUCluster, Options, OverlapPlugin, runtime_stats
@@ -34,18 +35,6 @@ CLUSTER_KW: dict[str, Any] = dict(dashboard_address=None, worker_dashboard_addre
 
 def func(b: np.ndarray) -> np.ndarray:
     return np.sin(b) * 2 + 1
-
-
-def poll(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
-    """``condition()`` once it is truthy; fail after ``timeout`` seconds (a bound, not a timing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,9 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
+from support import poll
 
 import dask_overlap
 from dask_overlap import LocalGPUCluster, OverlapSchedulerPlugin
@@ -31,18 +31,6 @@ CLUSTER = dict(
     dashboard_address="127.0.0.1:0",
     worker_dashboard_address=None,
 )
-
-
-def poll(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
-    """``condition()`` once truthy; fail after ``timeout`` s (a bound, not a timing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.05)
 
 
 def get(url: str) -> tuple[int, str]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import dask
@@ -14,6 +13,7 @@ import pytest
 from distributed import Client, LocalCluster, span, wait
 from distributed.metrics import context_meter
 from distributed.utils import key_split
+from support import poll
 
 import dask_overlap
 from dask_overlap import metrics
@@ -23,18 +23,6 @@ STAGE_LABELS = ("overlap-staging", "overlap-h2d", "overlap-compute", "overlap-d2
 # A pinned pool smaller than one partition's output: every output falls back (counted),
 # while the 16 KiB staging buffers still fit.
 PLUGIN = dict(backend="host", pinned_pool_size="64KiB", in_flight=2, streams=2)
-
-
-def poll(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
-    """``condition()`` once truthy; fail after ``timeout`` s (a bound, not a timing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.05)
 
 
 def double(b: np.ndarray) -> np.ndarray:

@@ -1,0 +1,19 @@
+"""Helpers shared by the test modules (imported as ``support``: tests/ is on sys.path)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def poll(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """``condition()`` once it is truthy; fail after ``timeout`` s (a bound, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.05)
