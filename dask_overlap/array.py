@@ -9,6 +9,7 @@ through this process's (or this worker's) runtime.
 
 from __future__ import annotations
 
+import reprlib
 import sys
 from collections.abc import Callable, Sequence
 from numbers import Integral
@@ -204,7 +205,9 @@ def map_blocks(
     [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]
     """
     if not callable(func):
-        raise TypeError(f"func must be callable, got {type(func).__name__}")
+        raise TypeError(
+            f"func must be callable, got {reprlib.repr(func)} of type {type(func).__name__}"
+        )
     opts = Options.from_config(sub_chunk_bytes=sub_chunk_bytes, in_flight=in_flight)
     _guard_gpu_kernels()
 

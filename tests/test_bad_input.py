@@ -135,7 +135,7 @@ def test_bad_values_from_config(x, key, value, name):
 
 @pytest.mark.parametrize("func", [3, None, "np.sin", np.arange(3)])
 def test_func_not_callable(x, func):
-    with raises_at_construction(TypeError, "func", "callable", type(func).__name__):
+    with raises_at_construction(TypeError, "func", "callable", repr(func), type(func).__name__):
         dask_overlap.map_blocks(func, x)
     assert_no_task_ran()
 
