@@ -8,6 +8,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask.utils import parse_bytes
 
 import dask_overlap
 from dask_overlap.engine import plan_sub_chunks
@@ -91,7 +92,9 @@ def test_same_as_dask_across_dtypes_and_ndims(ndim, dtype):
     assert s["sub_chunks"] == x.npartitions
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.int16, np.bool_, np.complex128], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.int16, np.bool_, np.complex128], ids=lambda d: np.dtype(d).name
+)
 @pytest.mark.parametrize(
     "ndim, axis", [(n, k) for n in SHAPES for k in range(n)] + [(3, -1), (4, -4)]
 )
@@ -117,7 +120,7 @@ def test_in_flight_and_sub_chunk_bytes_do_not_change_the_result(in_flight, sub_c
         np.sin, x, split_axis=0, sub_chunk_bytes=sub_chunk_bytes, in_flight=in_flight
     )
     assert_same_array(y, da.map_blocks(np.sin, x))
-    nbytes = dask.utils.parse_bytes(sub_chunk_bytes)
+    nbytes = parse_bytes(sub_chunk_bytes)
     expected = sum(len(plan_sub_chunks(rows, 17 * 8, nbytes, 0)) for rows in x.chunks[0])
     s = stats()
     assert s["sub_chunks"] == expected
