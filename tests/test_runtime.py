@@ -164,3 +164,27 @@ def test_many_partitions_at_once_share_the_runtime():
     assert stats["in_flight"] == 0
     assert stats["bytes_h2d"] == stats["bytes_d2h"] == a.nbytes
     assert stats["pinned_bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("visible, expected", [(False, "host"), (True, "cuda")])
+def test_auto_picks_cuda_only_when_a_gpu_is_visible(monkeypatch, visible, expected):
+    from dask_overlap import backends
+
+    monkeypatch.setattr(backends, "gpu_available", lambda: visible)
+    assert backends.resolve_backend("auto") == expected
+    for name in ("host", "timed", "cuda"):
+        assert backends.resolve_backend(name) == name
+    with pytest.raises(
+        ValueError, match=r"backend must be one of auto, cuda, host, timed; got 'x'"
+    ):
+        backends.resolve_backend("x")
+
+
+def test_auto_runs_on_the_host_backend_without_a_gpu(monkeypatch):
+    from dask_overlap import backends
+
+    monkeypatch.setattr(backends, "gpu_available", lambda: False)
+    a, x = data()
+    with dask.config.set({"overlap.backend": "auto"}):
+        np.testing.assert_array_equal(dask_overlap.map_blocks(np.negative, x).compute(), -a)
+        assert dask_overlap.runtime_stats()["backend"] == "host"
