@@ -9,6 +9,7 @@ through this process's (or this worker's) runtime.
 
 from __future__ import annotations
 
+import math
 import reprlib
 import sys
 from collections.abc import Callable, Sequence
@@ -86,6 +87,9 @@ class _PartitionTask:
         self.func_block_id = func_block_id
         self.func_block_info = func_block_info
         self.name = funcname(func)
+        # What the output array declares, set once Dask has built it (see map_blocks).
+        self.out_chunks: tuple[tuple[float, ...], ...] | None = None
+        self.out_dtype: np.dtype | None = None
 
     def __dask_tokenize__(self) -> Any:
         return (
@@ -104,6 +108,13 @@ class _PartitionTask:
 
         if self.func_block_id:
             kwargs = dict(kwargs, block_id=block_id)
+        out_shape = None
+        if self.out_chunks is not None and block_id is not None:
+            # None where Dask does not know the extent either (unknown chunks)
+            out_shape = tuple(
+                None if math.isnan(c[i]) else int(c[i])
+                for c, i in zip(self.out_chunks, block_id, strict=True)
+            )
         spec = PartitionSpec(
             key=(self.name, *(block_id or ())),
             array_positions=self.array_positions,
@@ -114,6 +125,8 @@ class _PartitionTask:
             in_flight=self.in_flight,
             block_info=block_info,
             func_name=funcname(self.func),
+            out_shape=out_shape,
+            out_dtype=self.out_dtype,
         )
         return get_runtime(self.backend).run_partition(self.func, args, kwargs, spec)
 
@@ -284,4 +297,5 @@ def map_blocks(
         **kwargs,
     )
     task.name = out.name
+    task.out_chunks, task.out_dtype = out.chunks, out.dtype
     return out

@@ -53,6 +53,10 @@ class PartitionSpec:
     in_flight: int
     block_info: dict | None = None
     func_name: str = "func"
+    # What the output array declares for this block (``None``: not known; in the shape,
+    # ``None`` for an extent Dask does not know either).
+    out_shape: tuple[int | None, ...] | None = None
+    out_dtype: Any = None
 
 
 def _along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
@@ -203,6 +207,14 @@ class _PartitionRun:
                 self.out = None
         if pipe.error is not None:
             counters.add(partitions_failed=1)
+            oom = self.backend.describe_oom(pipe.error)
+            if oom is not None:
+                # Say where and how much; the original stays as __cause__ (and in the text,
+                # since a cause does not travel with a pickled exception).
+                raise MemoryError(
+                    f"{self.spec.func_name} ran out of memory in {self._where()}: {oom} "
+                    f"({type(pipe.error).__name__}: {pipe.error})"
+                ) from pipe.error
             raise pipe.error
         return self.out
 
@@ -389,6 +401,7 @@ class _PartitionRun:
                 shape = list(result.shape)
                 if ax is not None and len(self.plan) > 1:
                     shape[ax] = self.plan.extent
+                self._check_declared(tuple(shape), result.dtype)
                 self.out = self._allocate_output(tuple(shape), result.dtype)
                 return result, self._dest(i)
         expected = list(self.out.shape)
@@ -403,6 +416,24 @@ class _PartitionRun:
                 f"and shape {tuple(expected)}"
             )
         return result, self._dest(i)
+
+    def _check_declared(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        """The output block must be what the dask array says it is, or Dask's array lies."""
+        want_shape, want_dtype = self.spec.out_shape, self.spec.out_dtype
+        dtype_ok = want_dtype is None or np.dtype(dtype) == np.dtype(want_dtype)
+        shape_ok = want_shape is None or (
+            len(shape) == len(want_shape)
+            and all(w is None or w == g for w, g in zip(want_shape, shape, strict=True))
+        )
+        if dtype_ok and shape_ok:
+            return
+        shown = "?" if want_shape is None else tuple("nan" if w is None else w for w in want_shape)
+        raise ValueError(
+            f"{self.spec.func_name} returned dtype {np.dtype(dtype)} and shape {shape} for "
+            f"{self._where()}, but the output array declares dtype "
+            f"{'?' if want_dtype is None else np.dtype(want_dtype)} and shape {shown} for "
+            "this block: pass dtype= and chunks= (or meta=) to map_blocks as func returns them"
+        )
 
     def _dest(self, i: int) -> np.ndarray:
         if len(self.plan) == 1:

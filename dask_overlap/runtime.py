@@ -13,6 +13,7 @@ import atexit
 import collections
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -23,6 +24,7 @@ from .stats import Counters
 __all__ = ["Runtime", "Span", "close_runtimes", "get_runtime", "runtime_stats"]
 
 TIMELINE_LENGTH = 20_000
+CLOSE_DRAIN_SECONDS = 30.0  # how long close() waits for partitions still running
 
 
 class Span(NamedTuple):
@@ -122,12 +124,22 @@ class Runtime:
 
         return run_partition(self, *args, **kwargs)
 
-    def close(self) -> None:
-        """Stop the threads and release the pools. Idempotent."""
+    def close(self, timeout: float = CLOSE_DRAIN_SECONDS) -> None:
+        """Stop the threads and release the pools, once running partitions are done. Idempotent.
+
+        A partition still running (a task Dask left behind when another one failed, or was
+        interrupted) holds streams and pool blocks and waits for its streams' completions:
+        streams stopped under it would leave it, and its thread, waiting forever. So this
+        waits, up to ``timeout`` seconds, until none is active; new partitions already go
+        to a fresh runtime, since this one is marked closed first.
+        """
         with self._lock:
             if self.closed:
                 return
             self.closed = True
+        deadline = time.monotonic() + timeout
+        while self.counters.partitions_active and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.staging.shutdown(wait=True)
         for s in self.streams:
             s.close()

@@ -8,6 +8,7 @@ bounded *pinned host pool*, and four operations: ``stage`` (host copy into pinne
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Backend", "HostPool", "Stream"]
+__all__ = ["Backend", "HostPool", "Stream", "requested_bytes"]
 
 OnDone = Callable[[Any, "BaseException | None"], None]
 
@@ -85,7 +86,29 @@ class Backend(Protocol):
     def device_bytes_in_use(self) -> int | None:
         """Bytes the device pool holds, when the backend can tell (else ``None``)."""
 
+    def describe_oom(self, error: BaseException) -> str | None:
+        """What ran out and how much was asked, if ``error`` is an out-of-memory error."""
+
     def close(self) -> None: ...
+
+
+def requested_bytes(error: BaseException) -> int | None:
+    """The bytes an out-of-memory ``error`` says were asked for, when it says.
+
+    Examples
+    --------
+    >>> requested_bytes(MemoryError("Out of memory allocating 1,024 bytes."))
+    1024
+    >>> requested_bytes(MemoryError()) is None
+    True
+    """
+    # Set by the cuda backend's allocator; NumPy's _ArrayMemoryError keeps its size here.
+    for attr in ("requested_bytes", "_total_size"):
+        nbytes = getattr(error, attr, None)
+        if isinstance(nbytes, int):
+            return nbytes
+    found = re.search(r"allocat\w* ([\d,]+) bytes", str(error))  # CuPy's message
+    return int(found.group(1).replace(",", "")) if found else None
 
 
 class HostPool:

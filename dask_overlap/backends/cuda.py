@@ -45,7 +45,7 @@ from rmm.allocators.cupy import rmm_cupy_allocator
 from rmm.pylibrmm.stream import Stream as RmmStream
 
 from ..config import Options
-from .base import HostPool, OnDone
+from .base import HostPool, OnDone, requested_bytes
 
 __all__ = ["CudaBackend", "CudaStream", "PinnedPool", "guard_kernel_pickling"]
 
@@ -157,6 +157,7 @@ class CudaStream:
         # Host objects an enqueued copy still reads; freed once an event after it completes.
         self._keep: list[Any] = []
         self._error: BaseException | None = None
+        self._closed = False
         self._waits: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._wait_loop, name=name, daemon=True)
         self._thread.start()
@@ -187,7 +188,14 @@ class CudaStream:
             event = cupy.cuda.Event(block=True, disable_timing=True)
             event.record(self.cupy)
             keep, self._keep = self._keep, []
-        self._waits.put((event, callback, keep))
+            if not self._closed:
+                self._waits.put((event, callback, keep))
+                return
+        # Closed (a runtime closed under a partition still running): no waiter thread is
+        # left, so wait here rather than never call back.
+        event.synchronize()
+        del keep
+        callback()
 
     def _wait_loop(self) -> None:
         cupy.cuda.runtime.setDevice(self.device_id)
@@ -212,12 +220,30 @@ class CudaStream:
             self.cupy.synchronize()
 
     def close(self) -> None:
-        self._waits.put(_STOP)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._waits.put(_STOP)
         self._thread.join()
 
 
 _device_pools: dict[int, Any] = {}
 _device_pools_lock = threading.Lock()
+
+
+def _allocate(nbytes: int) -> Any:
+    """CuPy's allocator: RMM's, with the size of a failed request kept on its error.
+
+    RMM's out-of-memory error does not say how much was asked for; the runner's error does
+    (see :meth:`CudaBackend.describe_oom`).
+    """
+    try:
+        return rmm_cupy_allocator(nbytes)
+    except MemoryError as e:
+        if getattr(e, "requested_bytes", None) is None:
+            e.requested_bytes = int(nbytes)
+        raise
 
 
 def _device_pool(device_id: int, size: int, resource: str) -> Any:
@@ -245,7 +271,7 @@ def _device_pool(device_id: int, size: int, resource: str) -> Any:
                     )
                 stats = rmm.mr.StatisticsResourceAdaptor(pool)
                 rmm.mr.set_per_device_resource(device_id, stats)
-            cupy.cuda.set_allocator(rmm_cupy_allocator)
+            cupy.cuda.set_allocator(_allocate)
             _device_pools[device_id] = stats
         return stats
 
@@ -307,6 +333,19 @@ class CudaBackend:
     def device_bytes_in_use(self) -> int | None:
         counts = self._device_mr.allocation_counts
         return int(counts["current_bytes"] if isinstance(counts, dict) else counts.current_bytes)
+
+    def describe_oom(self, error: BaseException) -> str | None:
+        if not isinstance(error, MemoryError):
+            return None
+        nbytes = requested_bytes(error)
+        asked = "an unknown number of bytes" if nbytes is None else f"{nbytes:,} bytes"
+        if type(error).__module__.startswith("numpy"):  # func's own host allocation
+            return f"host memory exhausted when {asked} were asked for"
+        return (
+            f"device {self.device_id} memory exhausted when {asked} were asked for (the "
+            f"device pool's bound is {self.options.device_pool_size:,} bytes: "
+            "overlap.device-pool-size)"
+        )
 
     # -- stage timings (for the runtime's timeline) ------------------------------------
     def mark(self, stream: CudaStream) -> Any:

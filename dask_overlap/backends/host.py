@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import HostPool, OnDone
+from .base import HostPool, OnDone, requested_bytes
 
 __all__ = ["HostBackend", "HostStream"]
 
@@ -27,6 +27,8 @@ class HostStream:
 
     def __init__(self, name: str):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -48,14 +50,31 @@ class HostStream:
             result = None
 
     def submit(self, fn: Callable[[], Any], on_done: OnDone) -> None:
-        self._queue.put((fn, on_done))
+        with self._lock:
+            if not self._closed:
+                self._queue.put((fn, on_done))
+                return
+        # Closed (a runtime closed under a partition still running): run it here, after
+        # everything queued before, rather than queue it where no thread will ever run it.
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        try:
+            result = fn()
+        except BaseException as e:
+            on_done(None, e)
+        else:
+            on_done(result, None)
 
     def on_complete(self, callback: Callable[[], None]) -> None:
         # Work on this stream is synchronous, so "completed" is "reached in the queue".
-        self._queue.put((callback, lambda result, error: None))
+        self.submit(callback, lambda result, error: None)
 
     def close(self) -> None:
-        self._queue.put(_STOP)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
         self._thread.join()
 
 
@@ -110,6 +129,13 @@ class HostBackend:
 
     def device_bytes_in_use(self) -> int | None:
         return None
+
+    def describe_oom(self, error: BaseException) -> str | None:
+        if not isinstance(error, MemoryError):
+            return None
+        nbytes = requested_bytes(error)
+        asked = "an unknown number of bytes" if nbytes is None else f"{nbytes:,} bytes"
+        return f"host memory exhausted when {asked} were asked for"
 
     def close(self) -> None:
         self.pinned.close()
