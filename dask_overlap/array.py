@@ -160,6 +160,25 @@ def _guard_gpu_kernels() -> None:
     guard_kernel_pickling()
 
 
+def _check_numblocks(arrays: Sequence[Any], positions: tuple[int, ...], ndim: int) -> None:
+    """Blocks are paired by position (Dask's map_blocks no longer rechunks to align them): along
+    each axis the arrays need the same number of blocks, or one, to broadcast. Dask itself
+    fails only at compute, with "Shapes do not align"; say so here, naming the arrays."""
+    for k in range(ndim):
+        counts = {}
+        for i in positions:
+            ax = k - (ndim - arrays[i].ndim)
+            if ax >= 0 and arrays[i].numblocks[ax] != 1:
+                counts[i] = arrays[i].numblocks[ax]
+        if len(set(counts.values())) > 1:
+            found = ", ".join(f"arrays[{i}]: {n}" for i, n in counts.items())
+            raise ValueError(
+                "map_blocks pairs the arrays' blocks by position, so they need the same number "
+                f"of blocks along each axis (or 1, to broadcast); along axis {k} {found} "
+                "blocks: rechunk them alike first (e.g. b.rechunk(a.chunks))"
+            )
+
+
 def map_blocks(
     func: Callable[..., Any],
     *arrays: Any,
@@ -236,6 +255,7 @@ def map_blocks(
         _check_dtype("meta", meta.dtype)
 
     ndim = max((arrays[i].ndim for i in positions), default=0)
+    _check_numblocks(arrays, positions, ndim)
     drop = _as_list(drop_axis)
     new = _as_list(new_axis)
     out_split_axis = None
