@@ -369,6 +369,11 @@ class CudaBackend:
             # wait for by itself.
             stream.cupy.wait_event(cupy.cuda.Stream.null.record())
             return host
+        if not host.dtype.isnative:
+            # CuPy has no non-native byte orders: swap on the host, into a copy kept until
+            # the copy-in has completed; func sees the same values in native order.
+            host = host.astype(host.dtype.newbyteorder("="))
+            stream.keep(host)
         with self._span(stream, "h2d"):
             dev = cupy.empty(host.shape, host.dtype)  # from the RMM pool, on ``stream``
             if host.nbytes == 0:
