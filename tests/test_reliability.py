@@ -1,0 +1,647 @@
+"""Reliability (issue 6): faults, cancellation, worker loss, pool exhaustion and odd input.
+
+No hang (every wait is bounded), no leak (pools and windows end at zero), no wrong result
+(bit for bit against NumPy or ``dask.array.map_blocks``). Host backend: these run in CI;
+the GPU cases are in ``test_reliability_gpu.py``. The README's "Reliability" table counts
+the cases of each kind here.
+"""
+
+from __future__ import annotations
+
+import _thread
+import gc
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from conftest import pinned_in_use_once_collected, wait_until_idle
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+from distributed import Client, LocalCluster
+from support import poll
+
+import dask_overlap
+from dask_overlap import OverlapPlugin, runtime_stats
+
+CLUSTER_KW: dict[str, Any] = dict(dashboard_address=None, worker_dashboard_address=None)
+POOL = 1 << 20  # the workers' pinned pool
+PLUGIN = dict(backend="host", pinned_pool_size=POOL, in_flight=2, streams=2)
+
+
+def same_bits(got: np.ndarray, expected: np.ndarray) -> None:
+    """Equal bit for bit: dtype, shape and bytes."""
+    assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(expected).tobytes()
+
+
+def same_as_dask(ours: da.Array, theirs: da.Array) -> np.ndarray:
+    """Ours equals Dask's own map_blocks, bit for bit, and is the array it declares."""
+    got, expected = dask.compute(ours, theirs)
+    same_bits(got, expected)
+    assert ours.dtype == got.dtype
+    if not any(np.isnan(c) for cs in ours.chunks for c in cs):
+        assert ours.shape == got.shape
+    return got
+
+
+def rows_data(rows: int = 24, cols: int = 4) -> np.ndarray:
+    """Each row holds its own index, so a function can tell which rows it was given."""
+    return np.repeat(np.arange(rows, dtype=np.float64)[:, None], cols, axis=1)
+
+
+class Boom(Exception):
+    pass
+
+
+def failing_at(row: int) -> Callable[[np.ndarray], np.ndarray]:
+    def func(b: np.ndarray) -> np.ndarray:
+        if b.size and (b[:, 0] == row).any():
+            raise Boom(f"row {row} is cursed")
+        return b * 2
+
+    return func
+
+
+def slow_double(b: np.ndarray) -> np.ndarray:
+    """Twice ``b``, slowly: keeps a computation running while the test acts on it."""
+    if b.size:
+        time.sleep(0.02)
+    return b * 2
+
+
+# == the threaded scheduler ============================================================
+
+
+# -- 2. KeyboardInterrupt ---------------------------------------------------------------
+def interrupt_at(row: int, how: str) -> Callable[[np.ndarray], np.ndarray]:
+    fired = threading.Event()
+
+    def func(b: np.ndarray) -> np.ndarray:
+        if b.size and (b[:, 0] == row).any() and not fired.is_set():
+            fired.set()
+            if how == "raise":
+                raise KeyboardInterrupt
+            _thread.interrupt_main()  # Ctrl-C in the caller, while this partition runs
+        return b * 2
+
+    return func
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["raise", "interrupt_main"])
+@pytest.mark.parametrize("split_axis", [0, None])
+def test_keyboard_interrupt_in_the_threaded_scheduler(how, split_axis):
+    data = rows_data()
+    x = da.from_array(data, chunks=(8, 4))
+    kwargs = dict(split_axis=split_axis, sub_chunk_bytes=32, in_flight=3, dtype=x.dtype)
+    y = dask_overlap.map_blocks(interrupt_at(12, how), x, **kwargs)
+    with dask.config.set(num_workers=3), pytest.raises(KeyboardInterrupt):
+        y.compute()
+    stats = wait_until_idle()
+    assert stats["in_flight"] == 0 and stats["device_bytes_in_use"] == 0
+    assert pinned_in_use_once_collected() == 0
+    if how == "raise":
+        assert stats["partitions_failed"] == 1
+    # nothing hung: the same runtime computes again
+    z = dask_overlap.map_blocks(slow_double, x, **kwargs)
+    same_bits(z.compute(), data * 2)
+    assert wait_until_idle()["in_flight"] == 0
+
+
+# -- a runtime closed under a running partition -----------------------------------------
+GATE = threading.Event()  # module-level: Dask pickles tasks, and a closure's copy is not this
+
+
+def gated(b: np.ndarray) -> np.ndarray:
+    """Raise in the first partition (rows 0-7); wait at the gate in the second."""
+    if b.size and b[0, 0] < 8:
+        raise Boom("first partition")
+    if b.size:
+        GATE.wait(30)  # bounded
+    return b * 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("drain", [True, False], ids=["close-waits", "close-at-once"])
+def test_runtime_closed_under_a_running_partition(drain):
+    """A partition Dask left running (another one failed first) must not be stranded.
+
+    ``close`` waits for it; and a stream closed under it anyway (``timeout=0``) still runs
+    what it is given, so the partition ends instead of waiting forever for a completion.
+    """
+    GATE.clear()
+    x = da.from_array(rows_data(16), chunks=(8, 4))
+    y = dask_overlap.map_blocks(gated, x, split_axis=0, sub_chunk_bytes=32, dtype=x.dtype)
+    rt = dask_overlap.get_runtime()
+    with dask.config.set(num_workers=2), pytest.raises(Boom):
+        y.compute()
+    poll(lambda: rt.counters.partitions_active == 1)  # the other partition, at the gate
+    threading.Timer(0.2, GATE.set).start()
+    if drain:
+        rt.close()
+        assert rt.counters.partitions_active == 0  # close returned after it was done
+    else:
+        rt.close(timeout=0)  # streams closed while it still has sub-chunks to run
+        poll(lambda: rt.counters.partitions_active == 0)
+    assert rt.counters.in_flight == 0
+
+
+# -- 4. pinned pool smaller than one partition's output and than one sub-chunk -----------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "pool", [0, 200, 5000], ids=["no-pool", "below-a-sub-chunk", "below-a-partition"]
+)
+def test_small_pinned_pool_chained_on_many_threads(pool):
+    """Outputs fed straight into a second map_blocks, 4 threads, pool short everywhere."""
+    data = np.random.default_rng(1).standard_normal((480, 32))  # 256 B rows, 32 kB chunks
+    x = da.from_array(data, chunks=(128, 32))
+    with dask.config.set({"overlap.pinned-pool-size": pool, "num_workers": 4}):
+        dask_overlap.close_runtimes()  # a runtime built from this config
+        y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=1024)
+        z = dask_overlap.map_blocks(np.sqrt, np.abs(y), split_axis=0, sub_chunk_bytes=4096)
+        same_bits(z.compute(), np.sqrt(np.abs(-data)))
+    stats = wait_until_idle()
+    assert stats["pinned_pool_size"] == pool
+    assert stats["pinned_bytes_peak"] <= pool
+    assert stats["pinned_fallbacks"] >= 2 * x.npartitions  # every output fell back
+    assert stats["in_flight"] == 0
+    assert pinned_in_use_once_collected() == 0
+    if pool < 1024:  # not one staging buffer fits
+        assert stats["bytes_staged"] == 0
+
+
+# -- 5. out of memory in func (host side; the device case is a GPU test) -----------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("split_axis", [0, None])
+def test_out_of_memory_names_the_partition_and_the_bytes(split_axis):
+    x = da.from_array(rows_data(), chunks=(8, 4))
+
+    def greedy(b: np.ndarray) -> np.ndarray:
+        if b.size and (b[:, 0] == 13).any():
+            np.empty(2**62, np.uint8)  # more than any machine has
+        return b + 1
+
+    y = dask_overlap.map_blocks(greedy, x, split_axis=split_axis, sub_chunk_bytes=32, dtype=float)
+    with pytest.raises(MemoryError) as info:
+        y.compute()
+    msg = str(info.value)
+    assert f"partition ('{y.name}', 1, 0)" in msg, msg
+    assert "greedy" in msg and f"{2**62:,} bytes" in msg, msg
+    assert isinstance(info.value.__cause__, MemoryError)
+    del info
+    stats = wait_until_idle()
+    assert stats["partitions_failed"] == 1 and stats["in_flight"] == 0
+    assert pinned_in_use_once_collected() == 0
+    same_bits(dask_overlap.map_blocks(lambda b: b + 1, x).compute(), rows_data() + 1)
+
+
+def test_other_errors_are_not_called_out_of_memory():
+    backend = dask_overlap.get_runtime().backend
+    assert backend.describe_oom(ValueError("allocating 8 bytes")) is None
+    assert backend.describe_oom(KeyboardInterrupt()) is None
+    assert "unknown number of bytes" in backend.describe_oom(MemoryError())
+
+
+# -- 6. output dtype or shape other than declared ---------------------------------------
+def declared_error(y: da.Array, *fragments: Any):
+    pattern = "".join(f"(?=.*{re.escape(str(f))})" for f in ("declares", *fragments))
+    return pytest.raises(ValueError, match=re.compile(pattern, re.S))
+
+
+@pytest.mark.parametrize("split_axis", [None, 0, 1])
+def test_output_dtype_other_than_declared(split_axis):
+    x = da.from_array(rows_data(), chunks=(8, 4))
+    y = dask_overlap.map_blocks(
+        lambda b: b * 2, x, dtype=np.float32, split_axis=split_axis, sub_chunk_bytes=32
+    )
+    assert y.dtype == np.float32  # what Dask's array says: the result must be that
+    with declared_error(y, "float64", "float32", f"partition ('{y.name}', ", "lambda"):
+        y.compute()
+    # meta= declares the dtype too
+    y = dask_overlap.map_blocks(lambda b: b.astype(np.int32), x, meta=np.empty((0, 0), np.int64))
+    with declared_error(y, "int32", "int64", y.name):
+        y.compute()
+
+
+@pytest.mark.parametrize("split_axis", [None, 0])
+def test_output_shape_other_than_declared(split_axis):
+    x = da.from_array(rows_data(), chunks=(8, 4))
+    widen = lambda b: np.concatenate([b, b], axis=1)  # noqa: E731
+    y = dask_overlap.map_blocks(widen, x, split_axis=split_axis, sub_chunk_bytes=32)
+    with declared_error(y, "(8, 8)", "(8, 4)", f"partition ('{y.name}', "):
+        y.compute()
+    # with chunks= saying so, it is what Dask gives
+    ok = dict(chunks=(8, 8))
+    same_as_dask(
+        dask_overlap.map_blocks(widen, x, split_axis=split_axis, sub_chunk_bytes=32, **ok),
+        da.map_blocks(widen, x, **ok),
+    )
+
+
+def test_new_axis_without_chunks_declares_extent_one():
+    """Dask declares extent 1 on a new axis unless chunks= says otherwise."""
+    x = da.from_array(rows_data(), chunks=(8, 4))
+    stack = lambda b: np.stack([b, -b], axis=1)  # noqa: E731
+    y = dask_overlap.map_blocks(stack, x, new_axis=1)
+    with declared_error(y, "(8, 2, 4)", "(8, 1, 4)", y.name):
+        y.compute()
+    one = lambda b: b[:, None, :]  # noqa: E731
+    same_as_dask(dask_overlap.map_blocks(one, x, new_axis=1), da.map_blocks(one, x, new_axis=1))
+
+
+@pytest.mark.parametrize("split_axis", [None, 0])
+def test_unknown_chunks_skip_the_shape_check(split_axis):
+    a = rows_data(40)
+    x = da.from_array(a, chunks=(10, 4))
+    sel = x[x[:, 0] % 3 != 0]  # unknown (nan) extents along axis 0
+    assert np.isnan(sel.chunks[0][0])
+    f = lambda b: b * 3  # noqa: E731
+    got = same_as_dask(
+        dask_overlap.map_blocks(f, sel, split_axis=split_axis, sub_chunk_bytes=32),
+        da.map_blocks(f, sel),
+    )
+    same_bits(got, a[a[:, 0] % 3 != 0] * 3)
+    # the known axis is still checked
+    y = dask_overlap.map_blocks(lambda b: b[:, :2], sel, split_axis=split_axis)
+    with declared_error(y, "nan", "4", y.name):
+        y.compute()
+
+
+# -- 7. odd inputs, against dask.array.map_blocks ---------------------------------------
+def twice(b: np.ndarray) -> np.ndarray:
+    return b * 2
+
+
+def keep(b: np.ndarray) -> np.ndarray:
+    return b.copy()
+
+
+def both_ways(func: Callable, *arrays: da.Array, **kwargs: Any) -> None:
+    """Ours equals Dask's, whole partitions and as sub-chunks along every axis."""
+    theirs = da.map_blocks(func, *arrays, **kwargs)
+    ndim = max(a.ndim for a in arrays)
+    for split_axis in [None, *range(ndim)]:
+        ours = dask_overlap.map_blocks(
+            func, *arrays, split_axis=split_axis, sub_chunk_bytes=16, **kwargs
+        )
+        same_as_dask(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "shape, chunks",
+    [((0,), 4), ((0, 5), (2, 2)), ((6, 0), (4, 3)), ((0, 0, 3), 1)],
+    ids=["0", "0x5", "6x0", "0x0x3"],
+)
+def test_empty_arrays(shape, chunks):
+    x = da.from_array(np.ones(shape, np.float32), chunks=chunks)
+    both_ways(twice, x)
+
+
+def test_empty_chunks_among_full_ones():
+    a = np.arange(30.0).reshape(6, 5)
+    x = da.from_array(a, chunks=((3, 0, 2, 0, 1), (0, 5)))
+    both_ways(twice, x)
+    y = da.from_array(np.arange(5.0), chunks=((0, 5, 0),))
+    both_ways(twice, y)
+
+
+def test_zero_d_arrays():
+    x = da.from_array(np.float64(3.5))
+    y = da.from_array(np.array(7, np.int16))
+    same_as_dask(dask_overlap.map_blocks(twice, x), da.map_blocks(twice, x))
+    f = lambda u, v: u * v  # noqa: E731
+    same_as_dask(dask_overlap.map_blocks(f, x, y), da.map_blocks(f, x, y))
+    z = da.from_array(np.arange(12.0).reshape(3, 4), chunks=(2, 2))  # 0-d broadcast
+    both_ways(f, z, x)
+
+
+def test_fortran_ordered_inputs_and_outputs():
+    a = np.asfortranarray(np.arange(7 * 9 * 4, dtype=np.int32).reshape(7, 9, 4))
+    x = da.from_array(a, chunks=(3, 4, 4))
+    both_ways(twice, x)
+    both_ways(lambda b: np.asfortranarray(b + 1), x)  # F-ordered result too
+
+
+def view_chunks(a: np.ndarray, rows: int, cols: int) -> da.Array:
+    """A dask array whose blocks are views of ``a`` as they are (no copy, any strides)."""
+    name = f"views-{tokenize(a, a.strides)}"
+    r0, c0 = range(0, a.shape[0], rows), range(0, a.shape[1], cols)
+    dsk = {
+        (name, i, j): a[r : r + rows, c : c + cols]
+        for i, r in enumerate(r0)
+        for j, c in enumerate(c0)
+    }
+    assert not any(b.flags.c_contiguous for b in dsk.values())
+    chunks = tuple(
+        tuple(min(step, n - s) for s in starts)
+        for step, n, starts in ((rows, a.shape[0], r0), (cols, a.shape[1], c0))
+    )
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
+    return da.Array(graph, name, chunks, meta=a[:0, :0])
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda a: a[::2, 1::3],
+        lambda a: a[::-1],
+        lambda a: a[:, ::-2],
+        lambda a: a.T,
+        lambda a: np.broadcast_to(a[:1], a.shape),  # zero strides
+    ],
+    ids=["strided", "reversed", "reversed-cols", "transposed", "zero-stride"],
+)
+def test_non_contiguous_chunks(view):
+    base = np.arange(40 * 30, dtype=np.float64).reshape(40, 30)
+    x = view_chunks(view(base), 7, 6)
+    both_ways(twice, x)
+
+
+@pytest.mark.parametrize("dtype", [">f8", ">i4", ">c16", ">u2"])
+def test_big_endian_dtypes(dtype):
+    a = (np.arange(60) - 17).astype(dtype).reshape(12, 5)
+    x = da.from_array(a, chunks=(5, 3))
+    both_ways(twice, x)  # native-order result
+    both_ways(keep, x)  # big-endian result
+
+
+def test_chunks_that_do_not_align():
+    """Blocks pair by position: other chunkings work when the block counts agree (or are
+    1, to broadcast), and fail at construction, naming the arrays, when they do not."""
+    a = np.arange(24.0 * 10).reshape(24, 10)
+    x = da.from_array(a, chunks=(5, 4))  # 5 x 3 blocks
+    y = da.from_array(a[::-1].copy(), chunks=((4, 6, 4, 6, 4), (2, 6, 2)))  # 5 x 3, other sizes
+    row = da.from_array(np.arange(10.0)[None, :], chunks=(1, 4))  # 1 x 3: broadcasts
+    whole = da.from_array(np.arange(10.0), chunks=10)  # one block: broadcasts
+    f = lambda u, v, w, z: u[:, :1] - v[:1, :1] * w[:1, :1] + z[:1]  # noqa: E731
+    kwargs = dict(chunks=(x.chunks[0], (1,) * 3), dtype=np.float64)
+    same_as_dask(
+        dask_overlap.map_blocks(f, x, y, row, whole, **kwargs),
+        da.map_blocks(f, x, y, row, whole, **kwargs),
+    )
+    g = lambda u, v: u + v  # noqa: E731
+    for other, axis, counts in [
+        (da.from_array(a, chunks=(7, 4)), 0, "arrays[0]: 5, arrays[1]: 4"),
+        (da.from_array(np.arange(10.0), chunks=6), 1, "arrays[0]: 3, arrays[1]: 2"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"along axis {axis} {counts} blocks")):
+            dask_overlap.map_blocks(g, x, other)
+        same_as_dask(
+            dask_overlap.map_blocks(g, x, other.rechunk(x.chunks[-other.ndim :])),
+            da.map_blocks(g, x, other.rechunk(x.chunks[-other.ndim :])),
+        )
+
+
+def test_very_uneven_chunks():
+    a = np.random.default_rng(2).standard_normal((1000, 3))
+    x = da.from_array(a, chunks=((1, 990, 2, 1, 6), (2, 1)))
+    both_ways(np.sin, x)
+
+
+@pytest.mark.timeout(60)
+def test_one_chunk_larger_than_the_pinned_pool():
+    a = np.random.default_rng(3).standard_normal((8192, 16))  # one 1 MiB chunk
+    x = da.from_array(a, chunks=-1)
+    with dask.config.set({"overlap.pinned-pool-size": "64KiB"}):
+        dask_overlap.close_runtimes()
+        for split_axis in (None, 0):
+            y = dask_overlap.map_blocks(np.cos, x, split_axis=split_axis, sub_chunk_bytes="16KiB")
+            same_bits(y.compute(), np.cos(a))
+    stats = wait_until_idle()
+    assert stats["pinned_fallbacks"] > 0
+    assert stats["bytes_staged"] > 0  # the sub-chunks still went through the pool
+    assert stats["pinned_bytes_peak"] <= 64 * 1024
+    assert pinned_in_use_once_collected() == 0
+
+
+# == a real multi-process cluster ======================================================
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(n_workers=2, threads_per_worker=3, processes=True, **CLUSTER_KW) as c:
+        yield c
+
+
+def register(client: Client, **options: Any) -> None:
+    """A fresh plugin, so fresh runtimes with zeroed counters, on every worker."""
+    client.register_plugin(OverlapPlugin(**{**PLUGIN, **options}))
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[Client]:
+    with Client(cluster) as client:
+        register(client)
+        yield client
+
+
+def idle_and_empty(client: Client) -> dict[str, dict[str, Any]]:
+    """Every worker's stats once nothing runs and nothing is held (bounded wait)."""
+
+    def check() -> dict[str, dict[str, Any]] | None:
+        client.run(gc.collect)
+        stats = client.run(runtime_stats)
+        held = ("partitions_active", "in_flight", "pinned_bytes_in_use", "device_bytes_in_use")
+        if all(s[k] == 0 for s in stats.values() for k in held):
+            return stats
+        return None
+
+    stats = poll(check, timeout=30)
+    for s in stats.values():
+        assert s["backend"] == "host"
+        assert s["pinned_bytes_peak"] <= s["pinned_pool_size"] == POOL
+    return stats
+
+
+def total(stats: dict[str, dict[str, Any]], key: str) -> int:
+    return sum(s[key] for s in stats.values())
+
+
+# -- 1. func raises in one sub-chunk, on a cluster --------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("row", [8, 12, 15], ids=["first", "middle", "last"])
+def test_func_raises_on_a_cluster(client: Client, row: int) -> None:
+    data = rows_data()
+    x = da.from_array(data, chunks=(8, 4))  # three partitions of eight one-row sub-chunks
+    kwargs = dict(split_axis=0, sub_chunk_bytes=32, in_flight=3, dtype=x.dtype)
+    y = dask_overlap.map_blocks(failing_at(row), x, **kwargs)
+    with pytest.raises(Boom) as info:
+        client.compute(y, sync=True)
+    assert type(info.value) is Boom and str(info.value) == f"row {row} is cursed"
+    del info
+    stats = idle_and_empty(client)
+    assert total(stats, "partitions_failed") == 1
+    # the next computation on the same cluster succeeds
+    z = dask_overlap.map_blocks(twice, x, **kwargs)
+    same_bits(client.compute(z, sync=True), data * 2)
+    stats = idle_and_empty(client)
+    assert total(stats, "partitions_failed") == 1
+
+
+# -- 2. client.cancel on a running computation ------------------------------------------
+@pytest.mark.timeout(120)
+def test_cancel_a_running_computation(client: Client) -> None:
+    data = rows_data(320, 8)
+    x = da.from_array(data, chunks=(16, 8))  # 20 partitions of four slow sub-chunks
+    y = dask_overlap.map_blocks(slow_double, x, split_axis=0, sub_chunk_bytes=256)
+    fut = client.compute(y)
+    poll(lambda: total(client.run(runtime_stats), "partitions_active") > 0)
+    client.cancel(fut)
+    poll(lambda: fut.cancelled())
+    stats = idle_and_empty(client)
+    assert 0 < total(stats, "partitions") <= x.npartitions
+    same_bits(client.compute(y, sync=True), data * 2)  # the same graph, again
+    idle_and_empty(client)
+
+
+# -- 4. pinned pool short on the workers ------------------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pool", [100, 3000], ids=["below-a-sub-chunk", "below-a-partition"])
+def test_small_pinned_pool_on_a_cluster(client: Client, pool: int) -> None:
+    register(client, pinned_pool_size=pool)
+    data = np.random.default_rng(4).standard_normal((600, 16))  # 128 B rows, 6 kB chunks
+    x = da.from_array(data, chunks=(48, 16))
+    y = dask_overlap.map_blocks(np.exp, x, split_axis=0, sub_chunk_bytes=1024)
+    same_bits(client.compute(y, sync=True), np.exp(data))
+
+    def check() -> dict | None:
+        client.run(gc.collect)
+        stats = client.run(runtime_stats)
+        done = all(
+            s["partitions_active"] == 0 and s["pinned_bytes_in_use"] == 0 for s in stats.values()
+        )
+        return stats if done else None
+
+    stats = poll(check)
+    assert all(s["pinned_bytes_peak"] <= s["pinned_pool_size"] == pool for s in stats.values())
+    assert total(stats, "pinned_fallbacks") >= x.npartitions  # every output fell back
+    assert total(stats, "partitions") == x.npartitions
+
+
+# -- 8. stress: 1,000 partitions, random sizes, two workers of three threads ------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_stress_a_thousand_partitions(client: Client) -> None:
+    rng = np.random.default_rng(8)
+    sizes = tuple(int(n) for n in rng.integers(1, 24, size=1000))
+    data = rng.standard_normal((sum(sizes), 6))
+    x = da.from_array(data, chunks=(sizes, 6))
+    assert x.npartitions == 1000
+    sub1, sub2 = (int(n) for n in rng.integers(48, 600, size=2))  # random sub-chunk sizes
+    y = dask_overlap.map_blocks(np.tanh, x, split_axis=0, sub_chunk_bytes=sub1, in_flight=3)
+    # the second stage reads the first's outputs where they are (pinned when local)
+    z = dask_overlap.map_blocks(lambda b: b * 3 - 1, y, split_axis=0, sub_chunk_bytes=sub2)
+    got = client.compute(z, sync=True)
+    same_bits(got, np.tanh(data) * 3 - 1)
+    stats = idle_and_empty(client)
+    assert total(stats, "partitions") == 2000
+    assert total(stats, "partitions_failed") == 0
+    assert total(stats, "sub_chunks") > 2000
+    assert total(stats, "bytes_d2h") == 2 * data.nbytes
+    assert all(s["partitions"] > 0 for s in stats.values()), "both workers took part"
+
+
+# -- 9. two clients through the same workers at once ------------------------------------
+@pytest.mark.timeout(120)
+def test_two_clients_at_once(cluster: LocalCluster, tmp_path) -> None:
+    marker = str(tmp_path / "b-is-running")
+    a_data = np.random.default_rng(9).standard_normal((960, 32))
+    b_data = np.random.default_rng(10).standard_normal((960, 32))
+    last = 959 // 24
+
+    def a_func(blk: np.ndarray, block_id: tuple | None = None) -> np.ndarray:
+        # A's last partition ends only once B runs: the two computations overlap.
+        if blk.size and block_id is not None and block_id[0] == last:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(marker):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("client B never ran while A was running")
+                time.sleep(0.01)
+        return np.sin(blk)
+
+    def b_func(blk: np.ndarray) -> np.ndarray:
+        if blk.size:
+            open(marker, "a").close()
+        return np.cos(blk)
+
+    with Client(cluster, set_as_default=False) as ca, Client(cluster, set_as_default=False) as cb:
+        register(ca, pinned_pool_size=16 * 1024)  # under three outputs of 6 kB: the bound binds
+        a = dask_overlap.map_blocks(
+            a_func, da.from_array(a_data, chunks=(24, 32)), split_axis=0, sub_chunk_bytes=2048
+        )
+        b = dask_overlap.map_blocks(
+            b_func, da.from_array(b_data, chunks=(24, 32)), split_axis=0, sub_chunk_bytes=1024
+        )
+        fa = ca.compute(a)
+        fb = cb.compute(b)
+        got_a, got_b = fa.result(timeout=60), fb.result(timeout=60)
+        same_bits(got_a, np.sin(a_data))
+        same_bits(got_b, np.cos(b_data))
+        del fa, fb
+        stats = poll(
+            lambda: (
+                (s := ca.run(runtime_stats))
+                and all(v["partitions_active"] == 0 for v in s.values())
+                and s
+            )
+        )
+        assert total(stats, "partitions") == 80
+        assert all(s["pinned_bytes_peak"] <= s["pinned_pool_size"] for s in stats.values())
+        assert total(stats, "pinned_fallbacks") > 0  # the bound was reached, and held
+
+
+# -- 3. a worker process killed mid-computation -----------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_worker_killed_mid_computation(tmp_path) -> None:
+    marker = str(tmp_path / "killed")
+    data = np.random.default_rng(3).standard_normal((480, 16))
+    chunk = 24
+
+    def held_back(blk: np.ndarray, block_id: tuple | None = None) -> np.ndarray:
+        # The second half waits for the kill, so the computation cannot end before it.
+        if blk.size and block_id is not None and block_id[0] >= 10:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return np.log1p(np.abs(blk)) * np.sign(blk)
+
+    expected = np.log1p(np.abs(data)) * np.sign(data)
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=2, processes=True, **CLUSTER_KW) as cluster,
+        Client(cluster) as client,
+    ):
+        register(client)
+        x = da.from_array(data, chunks=(chunk, 16))
+        y = dask_overlap.map_blocks(held_back, x, split_axis=0, sub_chunk_bytes=512)
+        fut = client.compute(y)
+        pids = client.run(os.getpid)
+        # a victim that already holds finished partitions: they are lost with it
+        victim = poll(
+            lambda: next(
+                (w for w, s in client.run(runtime_stats).items() if s["partitions"] >= 2), None
+            )
+        )
+        assert not fut.done()
+        os.kill(pids[victim], signal.SIGKILL)
+        poll(lambda: victim not in client.scheduler_info()["workers"], timeout=60)
+        open(marker, "a").close()
+        got = fut.result(timeout=120)
+        same_bits(got, expected)
+        # the nanny brought a worker back, with its own runtime from the plugin
+        poll(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=60)
+        stats = poll(
+            lambda: (
+                (s := client.run(runtime_stats))
+                and all(v["backend"] == "host" and v["partitions_active"] == 0 for v in s.values())
+                and s
+            )
+        )
+        assert victim not in stats
