@@ -59,6 +59,33 @@ def _out_axis(ndim: int, axis: int, drop_axis: list[int], new_axis: list[int], c
     return labels.index(ndim - 1 - axis)
 
 
+# The task travels pickled with every partition, so what it knows of the output's chunks
+# must not grow with their number: a regular axis is three numbers, an irregular one is
+# kept up to this many blocks (past it, its extents go unchecked).
+_MAX_IRREGULAR_BLOCKS = 1024
+
+
+def _axis_extents(chunks: tuple[float, ...]) -> tuple | None:
+    """One output axis's chunks, as the task carries them (see :func:`_extent`)."""
+    known = not any(math.isnan(c) for c in chunks)
+    if known and len(chunks) > 1 and len(set(chunks[:-1])) == 1:
+        return ("regular", int(chunks[0]), int(chunks[-1]), len(chunks))
+    if len(chunks) <= _MAX_IRREGULAR_BLOCKS:
+        return ("each", tuple(chunks))
+    return None
+
+
+def _extent(axis: tuple | None, i: int) -> int | None:
+    """Block ``i``'s extent along an axis; ``None`` where it is not known (Dask's nan)."""
+    if axis is None:
+        return None
+    if axis[0] == "regular":
+        _, size, last, n = axis
+        return last if i == n - 1 else size
+    c = axis[1][i]
+    return None if math.isnan(c) else int(c)
+
+
 class _PartitionTask:
     """The callable Dask runs for each partition (picklable; tokenized by content)."""
 
@@ -88,7 +115,7 @@ class _PartitionTask:
         self.func_block_info = func_block_info
         self.name = funcname(func)
         # What the output array declares, set once Dask has built it (see map_blocks).
-        self.out_chunks: tuple[tuple[float, ...], ...] | None = None
+        self.out_chunks: tuple[tuple | None, ...] | None = None  # per axis: see _axis_extents
         self.out_dtype: np.dtype | None = None
 
     def __dask_tokenize__(self) -> Any:
@@ -110,10 +137,8 @@ class _PartitionTask:
             kwargs = dict(kwargs, block_id=block_id)
         out_shape = None
         if self.out_chunks is not None and block_id is not None:
-            # None where Dask does not know the extent either (unknown chunks)
             out_shape = tuple(
-                None if math.isnan(c[i]) else int(c[i])
-                for c, i in zip(self.out_chunks, block_id, strict=True)
+                _extent(axis, i) for axis, i in zip(self.out_chunks, block_id, strict=True)
             )
         spec = PartitionSpec(
             key=(self.name, *(block_id or ())),
@@ -317,5 +342,6 @@ def map_blocks(
         **kwargs,
     )
     task.name = out.name
-    task.out_chunks, task.out_dtype = out.chunks, out.dtype
+    task.out_chunks = tuple(_axis_extents(c) for c in out.chunks)
+    task.out_dtype = out.dtype
     return out

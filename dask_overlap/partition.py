@@ -427,7 +427,7 @@ class _PartitionRun:
         )
         if dtype_ok and shape_ok:
             return
-        shown = "?" if want_shape is None else tuple("nan" if w is None else w for w in want_shape)
+        shown = "?" if want_shape is None else tuple("?" if w is None else w for w in want_shape)
         raise ValueError(
             f"{self.spec.func_name} returned dtype {np.dtype(dtype)} and shape {shape} for "
             f"{self._where()}, but the output array declares dtype "

@@ -18,12 +18,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import cloudpickle
 import dask
 import dask.array as da
 import numpy as np
 import pytest
 from conftest import pinned_in_use_once_collected, wait_until_idle
 from dask.base import tokenize
+from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph
 from distributed import Client, LocalCluster
 from support import poll
@@ -272,8 +274,38 @@ def test_unknown_chunks_skip_the_shape_check(split_axis):
     same_bits(got, a[a[:, 0] % 3 != 0] * 3)
     # the known axis is still checked
     y = dask_overlap.map_blocks(lambda b: b[:, :2], sel, split_axis=split_axis)
-    with declared_error(y, "nan", "4", y.name):
+    with declared_error(y, "('?', 4)", y.name):
         y.compute()
+
+
+def task_bytes(y: da.Array) -> int:
+    key = next(flatten(y.__dask_keys__()))
+    return len(cloudpickle.dumps(dict(y.__dask_graph__())[key]))
+
+
+def test_what_each_task_carries_does_not_grow_with_the_partitions():
+    """The declared chunks travel pickled with every task: not O(partitions) each."""
+    small = dask_overlap.map_blocks(twice, da.zeros((10, 3), chunks=(1, 3)))
+    big = dask_overlap.map_blocks(twice, da.zeros((20_000, 3), chunks=(1, 3)))
+    assert abs(task_bytes(big) - task_bytes(small)) < 64
+    # many irregular blocks: the extents along that axis are not carried, nor checked
+    sizes = (1, 2) * 1000
+    irregular = da.zeros((sum(sizes), 3), chunks=(sizes, 3))
+    few = da.zeros((9, 3), chunks=((1, 2) * 3, 3))
+    y = dask_overlap.map_blocks(first_row, irregular)
+    assert task_bytes(y) < task_bytes(dask_overlap.map_blocks(first_row, few)) + 64
+    assert y.compute().shape == (len(sizes), 3)
+    y = dask_overlap.map_blocks(first_col, irregular)  # the other axis still is
+    with declared_error(y, ", 1)", "('?', 3)", y.name):
+        y.compute()
+
+
+def first_row(b: np.ndarray) -> np.ndarray:
+    return b[:1]
+
+
+def first_col(b: np.ndarray) -> np.ndarray:
+    return b[:, :1]
 
 
 # -- 7. odd inputs, against dask.array.map_blocks ---------------------------------------
