@@ -39,7 +39,12 @@ class Stream(Protocol):
         hand the news on (put it in a queue), never touch the device or free memory.
         """
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop the stream's thread once its queued work is done.
+
+        Work submitted and callbacks asked for afterwards (by a partition still running
+        under a closed runtime) still run, on the caller's thread: nothing waits forever.
+        """
 
 
 class Backend(Protocol):
