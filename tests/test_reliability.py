@@ -120,7 +120,7 @@ def test_keyboard_interrupt_in_the_threaded_scheduler(how, split_axis):
 
 
 # -- a runtime closed under a running partition -----------------------------------------
-GATE = threading.Event()  # module-level: Dask pickles tasks, and a closure's copy is not this
+GATE = threading.Event()  # set by the test; the second partition waits for it
 
 
 def gated(b: np.ndarray) -> np.ndarray:
