@@ -119,6 +119,23 @@ def test_keyboard_interrupt_in_the_threaded_scheduler(how, split_axis):
     assert wait_until_idle()["in_flight"] == 0
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("split_axis", [0, None])
+def test_keyboard_interrupt_while_the_runner_waits(split_axis):
+    """The synchronous scheduler: Ctrl-C lands in the partition's own submitter thread,
+    while it waits for its streams; it still drains them before letting go."""
+    data = rows_data()
+    x = da.from_array(data, chunks=(8, 4))
+    kwargs = dict(split_axis=split_axis, sub_chunk_bytes=32, in_flight=3, dtype=x.dtype)
+    y = dask_overlap.map_blocks(interrupt_at(12, "interrupt_main"), x, **kwargs)
+    with pytest.raises(KeyboardInterrupt):
+        y.compute(scheduler="sync")
+    stats = wait_until_idle()
+    assert stats["in_flight"] == 0 and stats["partitions_active"] == 0
+    assert pinned_in_use_once_collected() == 0
+    same_bits(dask_overlap.map_blocks(slow_double, x, **kwargs).compute(scheduler="sync"), data * 2)
+
+
 # -- a runtime closed under a running partition -----------------------------------------
 GATE = threading.Event()  # set by the test; the second partition waits for it
 
