@@ -186,9 +186,10 @@ def _guard_gpu_kernels() -> None:
 
 
 def _check_numblocks(arrays: Sequence[Any], positions: tuple[int, ...], ndim: int) -> None:
-    """Blocks are paired by position (Dask's map_blocks no longer rechunks to align them): along
-    each axis the arrays need the same number of blocks, or one, to broadcast. Dask itself
-    fails only at compute, with "Shapes do not align"; say so here, naming the arrays."""
+    """Blocks are paired by position (Dask 2026.8's map_blocks does not rechunk to align
+    them): along each axis the arrays need the same number of blocks, or one, to broadcast.
+    Dask itself fails only at compute, with "Shapes do not align"; say so here, naming the
+    arrays."""
     for k in range(ndim):
         counts = {}
         for i in positions:
