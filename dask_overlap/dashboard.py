@@ -515,7 +515,13 @@ class OverlapSchedulerPlugin(SchedulerPlugin):
         pages = template_variables(self.scheduler)["pages"]
         if PAGE in pages:
             pages.remove(PAGE)
-        app.stop()
+        # Bokeh >= 3.10 refuses a synchronous stop inside a running event loop (seen on
+        # the GPU machine, bokeh 3.10.2); older versions have only the synchronous one.
+        stop_async = getattr(app, "stop_async", None)
+        if stop_async is not None:
+            await stop_async()
+        else:
+            app.stop()
 
     async def snapshot(self) -> dict[str, Any]:
         """Every overlap worker's snapshot (``/overlap.json``); cached for one interval."""

@@ -35,9 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--size", default=None, help="input bytes (default 256MiB; 4GiB on a GPU)")
     p.add_argument("--partition", default=None, help="bytes per partition (default size/16)")
-    p.add_argument("--sub-chunk", default="8MiB", help="bytes per sub-chunk (default 8MiB)")
+    p.add_argument("--sub-chunk", default=None, help="bytes per sub-chunk (8MiB; 32MiB on a GPU)")
     p.add_argument("--workers", type=int, default=None, help="default: one per GPU, or 2 CPU")
-    p.add_argument("--threads", type=int, default=2, help="partitions in flight per worker")
+    p.add_argument(
+        "--threads", type=int, default=None, help="partitions in flight per worker (2; 4 on a GPU)"
+    )
     p.add_argument("--rounds", type=int, default=2, help="kernel length (elementwise passes)")
     p.add_argument(
         "--keep-open",
@@ -60,6 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     cols = 1024
     rows, rows_per_part = max(1, size // (4 * cols)), max(1, part // (4 * cols))
     nbytes = rows * cols * 4
+    sub_chunk = args.sub_chunk or ("32MiB" if gpu else "8MiB")
+    threads = args.threads or (4 if gpu else 2)
+    # The outputs stay in pinned memory while Dask holds them (no copy back): size the pool
+    # for the whole result, shared among the workers, plus the staging in flight.
+    from dask_overlap.cluster import plan_workers
+
+    n_workers = plan_workers(args.workers, allow_cpu=True).n_workers
+    pool = nbytes // n_workers + nbytes // 8 + (256 << 20)
+    pool = max(pool, dask_overlap.Options.from_config().pinned_pool_size)
 
     print(
         f"dask_overlap demo: {format_bytes(nbytes)} float32 in partitions of "
@@ -67,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     with (
         dask_overlap.LocalGPUCluster(
-            n_workers=args.workers, threads_per_worker=args.threads, allow_cpu=True
+            n_workers=args.workers,
+            threads_per_worker=threads,
+            allow_cpu=True,
+            pinned_pool_size=pool,
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -78,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         x = x.persist()
         wait(x)
         kw = {"scale": 2.5, "shift": 1.0, "rounds": args.rounds}
-        y = dask_overlap.map_blocks(
-            scale_shift, x, split_axis=0, sub_chunk_bytes=args.sub_chunk, **kw
-        )
+        y = dask_overlap.map_blocks(scale_shift, x, split_axis=0, sub_chunk_bytes=sub_chunk, **kw)
         t0 = time.perf_counter()
         y = y.persist()
         wait(y)

@@ -7,13 +7,14 @@ import json
 import pathlib
 
 import dask
-import jsonschema
 import pytest
 import yaml
 from dask.utils import parse_bytes
 
 import dask_overlap
 from dask_overlap import Options, TimedModel
+
+jsonschema = pytest.importorskip("jsonschema")  # a test extra; the GPU machine lacks it
 
 PACKAGE = pathlib.Path(dask_overlap.__file__).parent
 
