@@ -29,7 +29,8 @@ from bench_overlap import array_of_views  # noqa: E402
 from ceilings import measure_ceilings  # noqa: E402
 from kernels import make_kernel  # noqa: E402
 
-COLORS = {"h2d": "tab:blue", "compute": "tab:orange", "d2h": "tab:green"}
+# As the /overlap page colours them: H2D blue, kernel green, D2H orange.
+COLORS = {"h2d": "tab:blue", "compute": "tab:green", "d2h": "tab:orange"}
 
 
 def trace(backend: Any, fn: Any) -> list[dict[str, Any]]:
