@@ -32,6 +32,19 @@ __all__ = ["PartitionSpec", "run_partition"]
 
 # A partition of one sub-chunk up to this size is staged on the task's own thread.
 _INLINE_STAGING = 4 << 20
+# Staging copies are cut into pieces of at least this size, run by the staging threads.
+_STAGING_PIECE = 4 << 20
+
+
+def _pieces(src: np.ndarray, dst: np.ndarray, threads: int) -> list[tuple[Any, Any]]:
+    """``(src, dst)`` row ranges that together copy ``src`` into ``dst``."""
+    rows = src.shape[0] if src.ndim else 1
+    n = max(1, min(threads, src.nbytes // _STAGING_PIECE, rows))
+    if n == 1:
+        return [(src, dst)]
+    bounds = [rows * k // n for k in range(n + 1)]
+    return [(src[lo:hi], dst[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
 
 _SKIPPED = object()  # what a stage returns when an earlier stage of its sub-chunk failed
 
@@ -254,43 +267,61 @@ class _PartitionRun:
 
     # -- the four stages --------------------------------------------------------------
     def _stage(self, i: int) -> None:
+        """Copy sub-chunk ``i``'s pageable inputs into pinned blocks.
+
+        The blocks are taken here, on the submitter's thread. The copies are cut into
+        pieces that the staging threads run in parallel (one thread's memcpy reaches a
+        third of what several reach), and the stage is done when the last piece is.
+        """
         pool = self.backend.pinned
-        counters = self.rt.counters
-
-        def work() -> None:
-            t0 = time.time()
-            held, staged_bytes, fallbacks = [], 0, 0
-            inputs = self.host_in[i]
-            for j, x in enumerate(inputs):
-                if not self._needs_staging(x):
-                    continue
-                block = pool.allocate(x.nbytes)
-                if block is None:
-                    # Pool exhausted: copy straight from pageable memory, and say so.
-                    fallbacks += 1
-                    continue
-                dst = block.view(x.dtype).reshape(x.shape)
-                self.backend.stage(x, dst)
-                held.append(block)
-                inputs[j] = dst
-                staged_bytes += x.nbytes
-            self.held[i] = held
-            counters.add(bytes_staged=staged_bytes, pinned_fallbacks=fallbacks)
-            self.meter.fallback(fallbacks)
-            self.spans[i] = [("stage", t0, time.time(), staged_bytes)]
-
-        if len(self.plan) == 1 and sum(x.nbytes for x in self.host_in[i]) <= _INLINE_STAGING:
+        inputs = self.host_in[i]
+        held, pieces, staged_bytes, fallbacks = [], [], 0, 0
+        for j, x in enumerate(inputs):
+            if not self._needs_staging(x):
+                continue
+            block = pool.allocate(x.nbytes)
+            if block is None:
+                # Pool exhausted: copy straight from pageable memory, and say so.
+                fallbacks += 1
+                continue
+            dst = block.view(x.dtype).reshape(x.shape)
+            held.append(block)
+            inputs[j] = dst  # read by the H2D, which runs only once this stage is done
+            staged_bytes += x.nbytes
+            pieces += _pieces(x, dst, self.rt.options.staging_threads)
+        self.held[i] = held
+        self.rt.counters.add(bytes_staged=staged_bytes, pinned_fallbacks=fallbacks)
+        self.meter.fallback(fallbacks)
+        t0 = time.time()
+        finish = self._completion(Stage.STAGE, i)
+        if not pieces or (len(self.plan) == 1 and staged_bytes <= _INLINE_STAGING):
             # Nothing of this partition could overlap a small copy: stage it on this thread
             # and spare two thread hand-offs (other partitions overlap on their own threads).
             try:
-                work()
+                for src, dst in pieces:
+                    self.backend.stage(src, dst)
             except Exception as e:
-                self._completion(Stage.STAGE, i)(None, e)
-            else:
-                self._completion(Stage.STAGE, i)(None, None)
+                finish(None, e)
+                return
+            self.spans[i] = [("stage", t0, time.time(), staged_bytes)]
+            finish(None, None)
             return
-        fut = self.rt.staging.submit(work)
-        fut.add_done_callback(lambda f: self._completion(Stage.STAGE, i)(None, f.exception()))
+        left = [len(pieces)]
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def piece_done(fut: Any) -> None:
+            with lock:
+                if fut.exception() is not None:
+                    errors.append(fut.exception())
+                left[0] -= 1
+                if left[0]:
+                    return
+            self.spans[i] = [("stage", t0, time.time(), staged_bytes)]
+            finish(None, errors[0] if errors else None)
+
+        for src, dst in pieces:
+            self.rt.staging.submit(self.backend.stage, src, dst).add_done_callback(piece_done)
 
     # H2D, COMPUTE and D2H of a sub-chunk are queued on its stream together (the engine
     # is stream-ordered), so each reads what the stage before it stored when it *runs*.

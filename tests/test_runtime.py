@@ -188,3 +188,27 @@ def test_auto_runs_on_the_host_backend_without_a_gpu(monkeypatch):
     with dask.config.set({"overlap.backend": "auto"}):
         np.testing.assert_array_equal(dask_overlap.map_blocks(np.negative, x).compute(), -a)
         assert dask_overlap.runtime_stats()["backend"] == "host"
+
+
+def test_large_staging_is_cut_into_pieces_for_the_staging_threads(monkeypatch):
+    """A sub-chunk of 16 MiB is staged as four 4 MiB pieces, on the staging threads."""
+    from dask_overlap.backends.host import HostBackend
+
+    seen: list[tuple[int, str]] = []
+    stage = HostBackend.stage
+
+    def recording(self, src, dst):
+        import threading
+
+        seen.append((src.nbytes, threading.current_thread().name))
+        stage(self, src, dst)
+
+    monkeypatch.setattr(HostBackend, "stage", recording)
+    data = np.random.default_rng(1).random((4096, 1024), dtype=np.float32)  # 16 MiB
+    x = da.from_array(data, chunks=(4096, 1024))
+    with dask.config.set({"overlap.staging-threads": 4}):
+        y = dask_overlap.map_blocks(lambda b: b * 3, x, split_axis=0, sub_chunk_bytes="16MiB")
+        np.testing.assert_array_equal(y.compute(), data * 3)
+    assert sorted(n for n, _ in seen) == [4 << 20] * 4
+    assert all("staging" in name for _, name in seen)
+    assert dask_overlap.runtime_stats()["bytes_staged"] == data.nbytes
