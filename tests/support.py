@@ -17,3 +17,14 @@ def poll(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(0.05)
+
+
+def require_gpu() -> Any:
+    """CuPy, or skip the calling module: no CuPy, no RMM or no visible CUDA GPU."""
+    import pytest
+
+    cp = pytest.importorskip("cupy")
+    pytest.importorskip("rmm")
+    if not cp.cuda.is_available():
+        pytest.skip("no CUDA GPU is visible", allow_module_level=True)
+    return cp

@@ -18,13 +18,11 @@ import numpy as np
 import pytest
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
+from support import require_gpu
 
 import dask_overlap
 
-cp = pytest.importorskip("cupy")
-pytest.importorskip("rmm")
-if not cp.cuda.is_available():
-    pytest.skip("no CUDA GPU is visible", allow_module_level=True)
+cp = require_gpu()
 
 from dask_overlap.backends.cuda import CudaBackend, _rows, guard_kernel_pickling  # noqa: E402
 from dask_overlap.partition import PartitionSpec  # noqa: E402

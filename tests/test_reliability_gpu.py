@@ -22,17 +22,14 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from support import poll, require_gpu
 
 import dask_overlap
 
-cp = pytest.importorskip("cupy")
-pytest.importorskip("rmm")
-if not cp.cuda.is_available():
-    pytest.skip("no CUDA GPU is visible", allow_module_level=True)
+cp = require_gpu()
 
 from conftest import wait_until_idle  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
-from support import poll  # noqa: E402
 
 from dask_overlap import OverlapPlugin, runtime_stats  # noqa: E402
 
