@@ -53,7 +53,7 @@ bench_case() {  # name, then bench_overlap.py arguments
 
 run_bench() {
     local common=(--size "$SIZE" --threads 4 --naive-threads "$NAIVE_THREADS")
-    local cases=(balanced-pinned balanced-pageable transfer-pinned compute-pinned balanced-16MiB)
+    local cases=(${BENCH_CASES:-balanced-pinned balanced-pageable transfer-pinned compute-pinned balanced-16MiB})
     mkdir -p "$OUT/cases"
     for c in "${cases[@]}"; do
         case $c in
