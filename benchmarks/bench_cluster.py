@@ -72,6 +72,8 @@ def run_one(args: argparse.Namespace, threads: int, calib: dict | None) -> dict[
     # share of the output, the staging of the partitions in flight, and some slack.
     pool = int(1.2 * nbytes / layout.n_workers) + 4 * part * threads + (256 << 20)
     kw = dict(pinned_pool_size=max(pool, dask_overlap.Options.from_config().pinned_pool_size))
+    if getattr(args, "backend", None):
+        kw["backend"] = args.backend
     with (
         dask_overlap.LocalGPUCluster(
             args.workers,
@@ -122,7 +124,7 @@ def run_one(args: argparse.Namespace, threads: int, calib: dict | None) -> dict[
         "threads_per_worker": threads,
         "workers": layout.n_workers,
         "devices": list(layout.devices),
-        "backend": layout.options.backend,
+        "backend": kw.get("backend", layout.options.backend),
         "size_bytes": nbytes,
         "partition_bytes": rows_per_part * COLS * 4,
         "partitions": -(-rows // rows_per_part),
@@ -142,6 +144,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--workers", type=int, default=None, help="default: one per GPU")
     p.add_argument("--cuda-visible-devices", default=None, help="GPUs to use (default: all)")
     p.add_argument("--allow-cpu", action="store_true", help="CPU workers when there is no GPU")
+    p.add_argument(
+        "--backend", default=None, help="workers' backend (default: config; timed models a GPU)"
+    )
     p.add_argument("--workload", default="balanced", choices=WORKLOADS)
     p.add_argument("--size", default="1GiB", help="input bytes (float32)")
     p.add_argument("--partition", default="64MiB", help="bytes per Dask partition")
