@@ -19,7 +19,7 @@ from typing import Any
 import dask.array as da
 import numpy as np
 from dask.array.utils import compute_meta
-from dask.base import tokenize
+from dask.base import is_dask_collection, tokenize
 from dask.utils import funcname, has_keyword
 
 from .config import Options
@@ -310,6 +310,13 @@ def map_blocks(
         except Exception:
             meta = None
         if dtype is None:
+            if any(is_dask_collection(a) and not isinstance(a, da.Array) for a in arrays):
+                # Dask infers ``object`` here (func runs on the delayed object itself),
+                # which no device array can hold: ask for the dtype instead.
+                raise TypeError(
+                    "dtype must be given when an argument is a dask.delayed object (the "
+                    "output dtype cannot be inferred without computing it); got dtype=None"
+                )
             dtype = da.core.apply_infer_dtype(func, arrays, kwargs, "map_blocks")
         if not isinstance(meta, np.ndarray):
             out_ndim = len(chunks) if chunks is not None else ndim - len(drop) + len(new)

@@ -269,3 +269,12 @@ def test_every_partition_raises():
     assert 1 <= stats["partitions_failed"] <= x.npartitions
     assert stats["in_flight"] == 0 and stats["device_bytes_in_use"] == 0
     assert pinned_in_use_once_collected() == 0
+
+
+def test_delayed_argument_without_dtype_asks_for_dtype():
+    x = da.ones((10,), chunks=5)
+    scale = dask.delayed(np.float64)(2.0)
+    with pytest.raises(TypeError, match=r"dtype must be given .*dask\.delayed.*got dtype=None"):
+        dask_overlap.map_blocks(lambda b, c: b * c, x, scale)
+    y = dask_overlap.map_blocks(lambda b, c: b * c, x, scale, dtype=np.float64)
+    np.testing.assert_array_equal(y.compute(), np.full(10, 2.0))
