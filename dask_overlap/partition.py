@@ -239,6 +239,8 @@ class _PartitionRun:
         # launched, so the copy engine starts while the host is still launching kernels.
         # (The sort is stable, so each sub-chunk's own stages keep their order.)
         for a in sorted(actions, key=lambda a: a.stage):
+            if a.index in self.failed:
+                continue  # an earlier stage of it failed; the engine has its Failed event
             try:
                 {
                     Stage.STAGE: self._stage,
@@ -247,6 +249,7 @@ class _PartitionRun:
                     Stage.D2H: self._copy_out,
                 }[a.stage](a.index)
             except Exception as e:
+                self.failed.add(a.index)
                 self._post(Failed(a.stage, a.index, e))
 
     def _completion(self, stage: Stage, i: int, store: Callable[[Any], None] | None = None):

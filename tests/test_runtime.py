@@ -212,3 +212,24 @@ def test_large_staging_is_cut_into_pieces_for_the_staging_threads(monkeypatch):
     assert sorted(n for n, _ in seen) == [4 << 20] * 4
     assert all("staging" in name for _, name in seen)
     assert dask_overlap.runtime_stats()["bytes_staged"] == data.nbytes
+
+
+def test_a_stage_that_fails_when_issued_skips_the_stages_queued_after_it(monkeypatch):
+    """H2D, kernel and D2H are issued together: if issuing the H2D itself raises, the
+    kernel and D2H behind it are not issued, and the error reaches compute() as it was."""
+    from dask_overlap.runtime import Runtime
+
+    class NoStream(RuntimeError):
+        pass
+
+    def acquire_stream(self):
+        raise NoStream("no stream for you")
+
+    monkeypatch.setattr(Runtime, "acquire_stream", acquire_stream)
+    x = da.ones((64, 4), chunks=(16, 4))
+    y = dask_overlap.map_blocks(lambda b: b + 1, x, split_axis=0, sub_chunk_bytes=32)
+    with pytest.raises(NoStream, match="no stream for you"):
+        y.compute()
+    stats = wait_until_idle()
+    assert stats["in_flight"] == 0
+    assert stats["partitions_failed"] >= 1
