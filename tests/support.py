@@ -28,3 +28,13 @@ def require_gpu() -> Any:
     if not cp.cuda.is_available():
         pytest.skip("no CUDA GPU is visible", allow_module_level=True)
     return cp
+
+
+# What the GPU test modules run under: the cuda backend with small, bounded pools.
+GPU_POOL = 64 * 2**20
+GPU_CONFIG = {
+    "overlap.backend": "cuda",
+    "overlap.pinned-pool-size": GPU_POOL,
+    "overlap.device-pool-size": "4GiB",
+    "overlap.sub-chunk-bytes": "256KiB",
+}

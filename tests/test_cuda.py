@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
-from support import require_gpu
+from support import GPU_CONFIG, GPU_POOL, require_gpu
 
 import dask_overlap
 
@@ -29,20 +29,13 @@ from dask_overlap.partition import PartitionSpec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-POOL = 64 * 2**20
+POOL = GPU_POOL
 HERE = os.path.dirname(__file__)
 
 
 @pytest.fixture(autouse=True)
 def cuda_config() -> Iterator[None]:
-    with dask.config.set(
-        {
-            "overlap.backend": "cuda",
-            "overlap.pinned-pool-size": POOL,
-            "overlap.device-pool-size": "4GiB",
-            "overlap.sub-chunk-bytes": "256KiB",
-        }
-    ):
+    with dask.config.set(GPU_CONFIG):
         yield
 
 

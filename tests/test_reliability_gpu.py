@@ -22,7 +22,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from support import poll, require_gpu
+from support import GPU_CONFIG, GPU_POOL, poll, require_gpu
 
 import dask_overlap
 
@@ -35,21 +35,14 @@ from dask_overlap import OverlapPlugin, runtime_stats  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-POOL = 64 * 2**20
+POOL = GPU_POOL
 CLUSTER_KW: dict[str, Any] = dict(dashboard_address=None, worker_dashboard_address=None)
 PLUGIN = dict(backend="cuda", pinned_pool_size=POOL, device_pool_size="4GiB", in_flight=3)
 
 
 @pytest.fixture(autouse=True)
 def cuda_config() -> Iterator[None]:
-    with dask.config.set(
-        {
-            "overlap.backend": "cuda",
-            "overlap.pinned-pool-size": POOL,
-            "overlap.device-pool-size": "4GiB",
-            "overlap.sub-chunk-bytes": "256KiB",
-        }
-    ):
+    with dask.config.set(GPU_CONFIG):
         yield
 
 
