@@ -18,7 +18,6 @@ Example (issue 4's GPU check, on one H200)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ import dask_overlap
 from dask_overlap.cluster import plan_workers
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import KERNEL_RATIO, WORKLOADS  # noqa: E402
+from bench_overlap import KERNEL_RATIO, WORKLOADS, write_json  # noqa: E402
 from ceilings import measure_ceilings  # noqa: E402
 from kernels import make_kernel  # noqa: E402
 
@@ -170,10 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"fallbacks={r['pinned_fallbacks']}",
             flush=True,
         )
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return results
 
 

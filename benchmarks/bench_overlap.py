@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import dask
 import dask.array as da
@@ -41,6 +42,14 @@ from kernels import make_kernel  # noqa: E402
 WORKLOADS = ("balanced", "transfer", "compute")
 # Kernel time of one partition relative to that partition's H2D copy.
 KERNEL_RATIO = {"balanced": 1.0, "transfer": 0.0, "compute": 3.0}
+
+
+def write_json(path: str | None, data: Any) -> None:
+    """Write ``data`` to ``path`` (creating its folder); nothing when ``path`` is None."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
 
 
 def persist_seconds(arr: da.Array, threads: int) -> tuple[float, list[np.ndarray]]:
@@ -232,10 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"  overlap/bound {result['overlap_over_bound']:.3f}   "
         f"speedup vs naive {result['speedup_vs_naive']:.2f}x   correct={correct}"
     )
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     dask_overlap.close_runtimes()
     return result
 

@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,6 +22,7 @@ from dask.utils import format_bytes, parse_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_cluster import run_one  # noqa: E402
+from bench_overlap import write_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -72,10 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{row['efficiency']:.2f}, correct={row['correct']}",
                 flush=True,
             )
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(args.json, out)
     return out
 
 

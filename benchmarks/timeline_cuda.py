@@ -13,7 +13,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -25,7 +24,7 @@ from dask.utils import parse_bytes
 import dask_overlap
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import array_of_views  # noqa: E402
+from bench_overlap import array_of_views, write_json  # noqa: E402
 from ceilings import measure_ceilings  # noqa: E402
 from kernels import make_kernel  # noqa: E402
 
@@ -121,9 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{name:8} makespan {s['makespan_s'] * 1e3:7.2f} ms  streams {s['streams']}  "
             + "  ".join(f"{k} {v * 1e3:6.2f} ms" for k, v in s["busy_s"].items())
         )
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.json, result)
     if args.png:
         plot([("naive (legacy default stream)", naive), ("dask_overlap", ours)], args.png)
     dask_overlap.close_runtimes()
