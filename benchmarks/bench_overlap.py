@@ -19,10 +19,12 @@ Example::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import dask
@@ -50,6 +52,35 @@ def write_json(path: str | None, data: Any) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(data, f, indent=2)
+
+
+def _list(text: str, parse: Callable[[str], Any]) -> list:
+    """``"a,b"`` parsed item by item; empty items skipped."""
+    return [parse(t) for t in str(text).split(",") if t]
+
+
+def same_chunks(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    """Element-by-element equality of two lists of chunks."""
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def engine_busy(spans: list, start: float, end: float) -> dict[str, float]:
+    """Per stage, the fraction of ``[start, end]`` covered by at least one of its spans.
+
+    A stream's span starts when the stream reaches it, which may be before its engine
+    takes it up, so this is an upper bound on each engine's busy time: where it is low,
+    that engine sat idle for certain.
+    """
+    out = {}
+    for stage in sorted({s.stage for s in spans}):
+        covered, reach = 0.0, start
+        for s in sorted((s for s in spans if s.stage == stage), key=lambda s: s.start):
+            lo, hi = max(s.start, reach), min(s.end, end)
+            if hi > lo:
+                covered += hi - lo
+            reach = max(reach, s.end)
+        out[stage] = covered / (end - start) if end > start else 0.0
+    return out
 
 
 def persist_seconds(arr: da.Array, threads: int) -> tuple[float, list[np.ndarray]]:
@@ -105,10 +136,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workload", default="balanced", choices=WORKLOADS)
     p.add_argument("--size", default="256MiB", help="input bytes (float32)")
     p.add_argument("--partition", default="32MiB", help="bytes per Dask partition")
-    p.add_argument("--sub-chunk", default=None, help="bytes per sub-chunk (default: config)")
-    p.add_argument("--in-flight", type=int, default=None)
-    p.add_argument("--threads", type=int, default=4, help="Dask threads (partitions at once)")
-    p.add_argument("--naive-threads", default="", help="comma list; default: --threads")
+    p.add_argument(
+        "--sub-chunk", default="", help="bytes per sub-chunk, a comma list (default: config)"
+    )
+    p.add_argument("--in-flight", default="", help="sub-chunks in flight, a comma list")
+    p.add_argument("--threads", default="4", help="Dask threads (partitions at once), a comma list")
+    p.add_argument("--naive-threads", default="", help="comma list; default: first of --threads")
     p.add_argument("--pinned-input", action="store_true", help="input already in the pinned pool")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each path; best kept")
     p.add_argument("--json", default=None, help="write the results here")
@@ -119,7 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
     row = 1024  # float32 columns: 4 KiB rows
     rows, rows_per_part = max(1, size // (4 * row)), max(1, part // (4 * row))
     nbytes = rows * row * 4
-    sub = parse_bytes(args.sub_chunk) if args.sub_chunk else None
+    subs = _list(args.sub_chunk, parse_bytes) or [None]
+    in_flights = _list(args.in_flight, int) or [None]
+    threads = _list(args.threads, int) or [4]
     pool = int(nbytes * (2.2 if args.pinned_input else 1.2)) + 64 * 2**20
     cfg = {
         "overlap.backend": backend,
@@ -150,30 +185,23 @@ def main(argv: list[str] | None = None) -> dict:
     x = array_of_views(host, rows_per_part)
     n_parts = x.numblocks[0]
     kernel_s = kernel_s_part * rows / rows_per_part
-    naive_threads = [int(t) for t in args.naive_threads.split(",") if t] or [args.threads]
+    naive_threads = _list(args.naive_threads, int) or threads[:1]
 
     def naive_block(b: np.ndarray) -> np.ndarray:
         return rt.backend.naive(func, b)
 
-    naive = da.map_blocks(naive_block, x, dtype=np.float32)
-    overlap = dask_overlap.map_blocks(
-        func, x, split_axis=0, sub_chunk_bytes=sub, in_flight=args.in_flight, dtype=np.float32
-    )
+    def overlapped(data: da.Array, sub: int | None, in_flight: int | None) -> da.Array:
+        return dask_overlap.map_blocks(
+            func, data, split_axis=0, sub_chunk_bytes=sub, in_flight=in_flight, dtype=np.float32
+        )
+
     # Warm-up: compilation, pool creation and first touch stay out of the numbers.
     warm = x[: min(rows, 2 * rows_per_part)]
     dask.persist(da.map_blocks(naive_block, warm, dtype=np.float32), scheduler="threads")
-    dask.persist(
-        dask_overlap.map_blocks(
-            func,
-            warm,
-            split_axis=0,
-            sub_chunk_bytes=sub,
-            in_flight=args.in_flight,
-            dtype=np.float32,
-        ),
-        scheduler="threads",
-    )
+    for sub in subs:
+        dask.persist(overlapped(warm, sub, in_flights[0]), scheduler="threads")
 
+    naive = da.map_blocks(naive_block, x, dtype=np.float32)
     naive_runs = {}
     naive_chunks = None
     for t in naive_threads:
@@ -184,19 +212,47 @@ def main(argv: list[str] | None = None) -> dict:
             naive_chunks = chunks
             del chunks
         naive_runs[t] = best
-    before = rt.stats()
-    overlap_s = float("inf")
-    for _ in range(args.repeat):
-        overlap_chunks = None
-        seconds, overlap_chunks = persist_seconds(overlap, args.threads)
-        overlap_s = min(overlap_s, seconds)
-    after = rt.stats()
-    correct = len(naive_chunks) == len(overlap_chunks) and all(
-        np.array_equal(a, b) for a, b in zip(naive_chunks, overlap_chunks, strict=True)
-    )
+
     staged = not args.pinned_input
-    out_bytes = sum(c.nbytes for c in overlap_chunks)
+    out_bytes = nbytes  # the kernel is elementwise: one output byte per input byte
     bound_s, bound_stage, stages = bound_seconds(nbytes, out_bytes, kernel_s, ceilings, staged)
+    before = rt.stats()
+    runs = []
+    for sub, in_flight, t in itertools.product(subs, in_flights, threads):
+        arr = overlapped(x, sub, in_flight)
+        best, busy, correct = float("inf"), {}, True
+        for _ in range(args.repeat):
+            overlap_chunks = None
+            rt.timeline.clear()
+            start = time.time()
+            seconds, overlap_chunks = persist_seconds(arr, t)
+            if seconds < best:
+                best, busy = seconds, engine_busy(list(rt.timeline), start, start + seconds)
+            correct = correct and same_chunks(naive_chunks, overlap_chunks)
+        runs.append(
+            {
+                "sub_chunk_bytes": sub or rt.options.sub_chunk_bytes,
+                "in_flight": in_flight or rt.options.in_flight,
+                "threads": t,
+                "seconds": best,
+                "gbps": nbytes / best / 1e9,
+                "overlap_over_bound": bound_s / best,
+                "busy": busy,
+                "correct": correct,
+            }
+        )
+        print(
+            f"  sub-chunk {format_bytes(runs[-1]['sub_chunk_bytes']):>9} in_flight "
+            f"{runs[-1]['in_flight']:>2} threads {t:>2}: {runs[-1]['gbps']:7.2f} GB/s "
+            f"({runs[-1]['overlap_over_bound']:.3f} of bound) busy "
+            + " ".join(f"{k}={v:.2f}" for k, v in busy.items())
+            + ("" if correct else "  WRONG RESULT"),
+            flush=True,
+        )
+    overlap_chunks = None
+    after = rt.stats()
+    top = min(runs, key=lambda r: r["seconds"])
+    overlap_s = top["seconds"]
     naive_best_t = min(naive_runs, key=naive_runs.get)
     gb = 1e9
     result = {
@@ -206,9 +262,10 @@ def main(argv: list[str] | None = None) -> dict:
         "size_bytes": nbytes,
         "partition_bytes": rows_per_part * row * 4,
         "partitions": n_parts,
-        "sub_chunk_bytes": sub or rt.options.sub_chunk_bytes,
-        "in_flight": args.in_flight or rt.options.in_flight,
-        "threads": args.threads,
+        "sub_chunk_bytes": top["sub_chunk_bytes"],
+        "in_flight": top["in_flight"],
+        "threads": top["threads"],
+        "staging_threads": rt.options.staging_threads,
         "kernel_iterations": iterations,
         "ceilings_gbps": {k: v / gb for k, v in ceilings.items() if isinstance(v, float)},
         "stage_seconds": stages,
@@ -221,25 +278,27 @@ def main(argv: list[str] | None = None) -> dict:
         "bound_gbps": nbytes / bound_s / gb,
         "overlap_over_bound": bound_s / overlap_s,
         "speedup_vs_naive": naive_runs[naive_best_t] / overlap_s,
-        "correct": bool(correct),
+        "correct": all(r["correct"] for r in runs),
         "pinned_fallbacks": after["pinned_fallbacks"] - before["pinned_fallbacks"],
         "backpressure_seconds": after["backpressure_seconds"] - before["backpressure_seconds"],
+        "runs": runs,
     }
     rows_out = [
         (f"naive Dask (best threads={naive_best_t})", result["naive_gbps"]),
-        ("dask_overlap", result["overlap_gbps"]),
+        (f"dask_overlap (best: threads={top['threads']})", result["overlap_gbps"]),
         (f"bound ({bound_stage})", result["bound_gbps"]),
     ]
     print(
         f"backend={backend} workload={args.workload} input={result['input']} "
         f"size={format_bytes(nbytes)} partition={format_bytes(result['partition_bytes'])} "
-        f"partitions={n_parts} threads={args.threads}"
+        f"partitions={n_parts} sub-chunk={format_bytes(top['sub_chunk_bytes'])} "
+        f"in_flight={top['in_flight']}"
     )
     for label, gbps in rows_out:
-        print(f"  {label:<36} {gbps:8.2f} GB/s")
+        print(f"  {label:<40} {gbps:8.2f} GB/s")
     print(
         f"  overlap/bound {result['overlap_over_bound']:.3f}   "
-        f"speedup vs naive {result['speedup_vs_naive']:.2f}x   correct={correct}"
+        f"speedup vs naive {result['speedup_vs_naive']:.2f}x   correct={result['correct']}"
     )
     write_json(args.json, result)
     dask_overlap.close_runtimes()

@@ -5,6 +5,9 @@
 #
 #   bash ci/gpu.sh [all|tests|bench|timeline|cluster|demo|dashboard|trap]...
 #
+# Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
+# BENCH_CASES, STAGING_THREADS, CASE_LIMIT; tests: TESTS_LIMIT, TESTS_MARK.
+#
 # Expects the carried wheels in .whl/ (../shared/gpu/fetch-wheels.sh) and installs them
 # into /tmp/site unless dask and rmm import already. Each step has its own time limit, so
 # one slow step cannot take the others' device time.
@@ -29,10 +32,11 @@ machine() {
 }
 
 run_tests() {
-    log "pytest -m \"gpu and not slow\""
-    timeout "${TESTS_LIMIT:-150}" python3 -m pytest -m "gpu and not slow" -q -p no:cacheprovider --timeout 90 \
-        tests >"$OUT/pytest-gpu.log" 2>&1 || status=1
-    tail -n 25 "$OUT/pytest-gpu.log"
+    local mark=${TESTS_MARK:-gpu and not slow}
+    log "pytest -m \"$mark\""
+    timeout "${TESTS_LIMIT:-150}" python3 -m pytest -m "$mark" -q -p no:cacheprovider --timeout 300 \
+        --durations 8 tests >"$OUT/pytest-gpu.log" 2>&1 || status=1
+    tail -n 40 "$OUT/pytest-gpu.log"
 }
 
 run_trap() {
@@ -48,11 +52,14 @@ bench_case() {  # name, then bench_overlap.py arguments
     shift
     log "bench $name: $*"
     timeout "${CASE_LIMIT:-75}" python3 benchmarks/bench_overlap.py --backend cuda \
-        --json "$OUT/cases/$name.json" "$@" 2>&1 | tail -n 6 || status=1
+        --json "$OUT/cases/$name.json" "$@" 2>&1 | grep -v "^ *warn\|Warning" | tail -n 30 || status=1
 }
 
 run_bench() {
-    local common=(--size "$SIZE" --threads 4 --naive-threads "$NAIVE_THREADS")
+    # THREADS, SUB_CHUNKS and IN_FLIGHT may be comma lists: every combination is run in
+    # the same process, beside the same naive run and ceilings, and the best is reported.
+    local common=(--size "$SIZE" --threads "${THREADS:-4}" --naive-threads "$NAIVE_THREADS"
+        --sub-chunk "${SUB_CHUNKS:-}" --in-flight "${IN_FLIGHT:-}" --repeat "${REPEAT:-1}")
     local cases=(${BENCH_CASES:-balanced-pinned balanced-pageable transfer-pinned compute-pinned balanced-16MiB})
     mkdir -p "$OUT/cases"
     for c in "${cases[@]}"; do
