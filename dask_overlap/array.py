@@ -22,6 +22,7 @@ from dask.array.utils import compute_meta
 from dask.base import is_dask_collection, tokenize
 from dask.utils import funcname, has_keyword
 
+from .backends import resolve_backend
 from .config import Options
 from .partition import PartitionSpec
 
@@ -102,8 +103,10 @@ class _PartitionTask:
         in_flight: int,
         func_block_id: bool,
         func_block_info: bool,
+        out: str = "host",
     ):
         self.func = func
+        self.out = out
         self.backend = backend
         self.array_positions = array_positions
         self.ndim = ndim
@@ -128,6 +131,7 @@ class _PartitionTask:
             self.out_split_axis,
             self.sub_chunk_bytes,
             self.in_flight,
+            self.out,
         )
 
     def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
@@ -152,6 +156,7 @@ class _PartitionTask:
             func_name=funcname(self.func),
             out_shape=out_shape,
             out_dtype=self.out_dtype,
+            out=self.out,
         )
         return get_runtime(self.backend).run_partition(self.func, args, kwargs, spec)
 
@@ -215,6 +220,7 @@ def map_blocks(
     split_axis: int | None = None,
     sub_chunk_bytes: int | str | None = None,
     in_flight: int | None = None,
+    out: str = "host",
     meta: Any = None,
     name: str | None = None,
     token: str | None = None,
@@ -249,6 +255,11 @@ def map_blocks(
     in_flight
         How many sub-chunks of a partition may be in flight at once (the bounded queue;
         default ``overlap.in-flight``). When it is full the submitter waits.
+    out
+        ``"host"`` (default): each output block is a NumPy array, in pinned memory when
+        the pool can serve it. ``"device"``: it stays where ``func`` computed it, a CuPy
+        array on the GPU (NumPy on the host path), and nothing is copied back; ``meta``
+        is then a CuPy array when the backend resolves to ``cuda`` in the calling process.
 
     Returns
     -------
@@ -266,6 +277,8 @@ def map_blocks(
         raise TypeError(
             f"func must be callable, got {reprlib.repr(func)} of type {type(func).__name__}"
         )
+    if out not in ("host", "device"):
+        raise ValueError(f"out must be 'host' or 'device', got {out!r}")
     opts = Options.from_config(sub_chunk_bytes=sub_chunk_bytes, in_flight=in_flight)
     _guard_gpu_kernels()
 
@@ -323,6 +336,10 @@ def map_blocks(
             meta = np.empty((0,) * out_ndim, dtype=dtype)
     if dtype is not None:
         _check_dtype("the output of func (dtype)", dtype)
+    if out == "device" and isinstance(meta, np.ndarray) and resolve_backend(opts.backend) == "cuda":
+        import cupy
+
+        meta = cupy.empty(meta.shape, meta.dtype)  # the chunks are CuPy arrays
 
     task_type = _PartitionTaskWithInfo if has_keyword(func, "block_info") else _PartitionTask
     task = task_type(
@@ -336,6 +353,7 @@ def map_blocks(
         in_flight=opts.in_flight,
         func_block_id=has_keyword(func, "block_id"),
         func_block_info=has_keyword(func, "block_info"),
+        out=out,
     )
     out = da.map_blocks(
         task,

@@ -70,6 +70,9 @@ class PartitionSpec:
     # ``None`` for an extent Dask does not know either).
     out_shape: tuple[int | None, ...] | None = None
     out_dtype: Any = None
+    # "host": the output block is host memory (pinned when the pool can serve);
+    # "device": it stays a device array (CuPy on the GPU), and nothing is copied out.
+    out: str = "host"
 
 
 def _along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
@@ -106,6 +109,7 @@ class _PartitionRun:
         self.dev_bytes: dict[int, int] = {}
         self.streams: dict[int, Any] = {}
         self.out: Any = None
+        self.out_ready: Any = None  # out="device": a mark made after allocating self.out
         self._out_lock = threading.Lock()
         # Timings: host-side spans (staging) and stream marks, resolved on completion.
         self.spans: dict[int, list[tuple[str, float, float, int]]] = {}
@@ -370,7 +374,12 @@ class _PartitionRun:
         def work() -> Any:
             if i in self.failed:
                 return _SKIPPED
-            result, dest = self._check_result(i)
+            result, dest = self._check_result(i, stream)
+            if self.spec.out == "device":
+                if dest is not None:  # one sub-chunk's slice of the partition's output
+                    self.backend.wait(stream, self.out_ready)
+                    self.backend.place(stream, result, dest)
+                return None
             with self._marked(i, "d2h", stream, result.nbytes):
                 self.backend.copy_out(stream, result, dest)
             counters.add(bytes_d2h=result.nbytes)
@@ -409,8 +418,12 @@ class _PartitionRun:
     def _where(self) -> str:
         return f"partition {self.spec.key!r}"
 
-    def _check_result(self, i: int) -> tuple[Any, np.ndarray]:
-        """The validated device result of sub-chunk ``i`` and where in the output it goes."""
+    def _check_result(self, i: int, stream: Any) -> tuple[Any, Any]:
+        """The validated device result of sub-chunk ``i`` and where in the output it goes.
+
+        Called in ``stream``'s order. With ``out="device"`` and one sub-chunk, the result
+        is the output itself, and the destination ``None``.
+        """
         raw = self.dev_out[i]
         result = self.backend.as_result(raw)
         if result is None:
@@ -436,7 +449,10 @@ class _PartitionRun:
                 if ax is not None and len(self.plan) > 1:
                     shape[ax] = self.plan.extent
                 self._check_declared(tuple(shape), result.dtype)
-                self.out = self._allocate_output(tuple(shape), result.dtype)
+                if self.spec.out == "device" and len(self.plan) == 1:
+                    self.out = result
+                    return result, None
+                self.out = self._allocate_output(tuple(shape), result.dtype, stream)
                 return result, self._dest(i)
         expected = list(self.out.shape)
         got_shape = list(result.shape)
@@ -469,13 +485,18 @@ class _PartitionRun:
             "this block: pass dtype= and chunks= (or meta=) to map_blocks as func returns them"
         )
 
-    def _dest(self, i: int) -> np.ndarray:
+    def _dest(self, i: int) -> Any:
         if len(self.plan) == 1:
             return self.out
         sub = self.plan.sub_chunks[i]
         return self.out[_along(self.spec.out_split_axis, sub.start, sub.stop)]
 
-    def _allocate_output(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def _allocate_output(self, shape: tuple[int, ...], dtype: np.dtype, stream: Any) -> Any:
+        if self.spec.out == "device":
+            out = self.backend.empty_device(shape, dtype)
+            # The other sub-chunks write into it from their own streams, after this mark.
+            self.out_ready = self.backend.mark(stream)
+            return out
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         if nbytes == 0:
             return np.empty(shape, dtype)

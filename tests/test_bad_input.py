@@ -111,6 +111,13 @@ def test_sub_chunk_bytes_not_positive(x, value):
     assert_no_task_ran()
 
 
+@pytest.mark.parametrize("value", ["gpu", "HOST", None, 1])
+def test_out_not_host_or_device(x, value):
+    with raises_at_construction(ValueError, "out must be 'host' or 'device'", repr(value)):
+        dask_overlap.map_blocks(identity, x, out=value)
+    assert_no_task_ran()
+
+
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", 2.0])
 def test_in_flight_not_a_positive_integer(x, value):
     with raises_at_construction(ValueError, "in_flight", "positive integer", repr(value)):

@@ -273,6 +273,47 @@ def test_completion_only_after_copy_lands() -> None:
     assert seen == [1.0]
 
 
+@pytest.mark.parametrize("split_axis", [None, 0, 1])
+def test_out_device_keeps_cupy_chunks(split_axis: int | None) -> None:
+    a = np.arange(96 * 80, dtype=np.float32).reshape(96, 80)
+    x = da.from_array(a, chunks=(32, 40))
+    y = dask_overlap.map_blocks(
+        lambda b: b * 2 + 1, x, split_axis=split_axis, sub_chunk_bytes=1024, out="device"
+    )
+    assert isinstance(y._meta, cp.ndarray)
+    blocks = dask.compute(*y.to_delayed().ravel())
+    assert len(blocks) == y.npartitions and all(isinstance(b, cp.ndarray) for b in blocks)
+    got = y.compute()
+    assert isinstance(got, cp.ndarray)
+    np.testing.assert_array_equal(cp.asnumpy(got), a * 2 + 1)
+    stats = dask_overlap.runtime_stats()
+    assert stats["bytes_d2h"] == 0 and stats["pinned_fallbacks"] == 0
+
+
+def test_streams_outlive_runtimes() -> None:
+    """A closed runtime gives its streams back for the next one: none is destroyed."""
+    first = {s.ptr for s in runtime().streams}
+    dask_overlap.close_runtimes()
+    assert {s.ptr for s in runtime().streams} == first
+
+
+def test_device_results_in_cycles_outlive_their_runtime() -> None:
+    """Device arrays allocated on a runtime's streams, held only by reference cycles and
+    collected after the runtime closed, are freed on a stream that still exists (a
+    collector that cleared the stream's wrapper first would otherwise destroy it)."""
+    x = da.from_array(np.arange(64 * 256, dtype=np.float32).reshape(64, 256), chunks=(16, 256))
+    for _ in range(20):
+        y = dask_overlap.map_blocks(lambda b: b * 2, x, out="device")
+        arrays = dask.compute(*y.to_delayed().ravel())
+        cycle: list[Any] = list(arrays)
+        cycle.append(cycle)
+        del arrays, cycle
+        dask_overlap.close_runtimes()
+        gc.collect()
+    same = dask_overlap.map_blocks(lambda b: b * 2, x).compute()
+    np.testing.assert_array_equal(same, np.arange(64 * 256, dtype=np.float32).reshape(64, 256) * 2)
+
+
 def test_naive_matches() -> None:
     rt = runtime()
     x = np.arange(1000, dtype=np.float32)

@@ -127,6 +127,19 @@ def test_in_flight_and_sub_chunk_bytes_do_not_change_the_result(in_flight, sub_c
     assert s["max_window"] == min(in_flight, len(plan_sub_chunks(13, 17 * 8, nbytes, 0)))
 
 
+@pytest.mark.parametrize("split_axis", [None, 0, 1])
+def test_out_device_equals_out_host(split_axis):
+    """On the host path the "device" arrays are NumPy: the same values, no pinned output."""
+    x = da.from_array(random_array((40, 18), np.float64, 5), chunks=(13, 9))
+    y = dask_overlap.map_blocks(
+        twice_plus_one, x, split_axis=split_axis, sub_chunk_bytes=16, out="device"
+    )
+    assert y.name != dask_overlap.map_blocks(twice_plus_one, x, split_axis=split_axis).name
+    assert_same_array(y, da.map_blocks(twice_plus_one, x))
+    s = stats()
+    assert s["bytes_d2h"] == 0 and s["pinned_bytes_peak"] <= s["bytes_h2d"] and s["in_flight"] == 0
+
+
 # -- the window in a real run -----------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("window", [1, 2, 3])

@@ -76,6 +76,15 @@ class Backend(Protocol):
     def as_result(self, x: Any) -> Any | None:
         """``x`` as this backend's device array, or ``None`` if it is not an array."""
 
+    def empty_device(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """An uninitialised device array (``out="device"``); called in a stream's order."""
+
+    def wait(self, stream: Stream, mark: Any) -> None:
+        """Order ``stream``'s next work after ``mark`` (made by :meth:`mark` on another)."""
+
+    def place(self, stream: Stream, device: Any, out: Any) -> None:
+        """Copy device array ``device`` into device array ``out``, in ``stream``'s order."""
+
     def naive(self, func: Callable[..., Any], *blocks: np.ndarray, **kwargs: Any) -> np.ndarray:
         """What the usual code does: copy in, compute, copy out, one step at a time."""
 

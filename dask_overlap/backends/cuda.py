@@ -2,9 +2,11 @@
 
 What each piece is for, and the orderings it relies on:
 
-- **Streams** are non-blocking CuPy streams. :meth:`CudaStream.submit` runs the work
-  function on the caller's thread inside ``with stream:``, so it only *enqueues*; the
-  runner's next stage on the same stream is ordered after it by the stream itself.
+- **Streams** are non-blocking CuPy streams, made once per process and reused by every
+  runtime (the comment above ``_take_stream`` says why none is destroyed).
+  :meth:`CudaStream.submit` runs the work function on the caller's thread inside
+  ``with stream:``, so it only *enqueues*; the runner's next stage on the same stream is
+  ordered after it by the stream itself.
   :meth:`CudaStream.on_complete` records a blocking-sync event and hands it to the
   stream's waiter thread, which sleeps in ``cudaEventSynchronize`` (no spinning CPU) and
   then calls the callback. So completion callbacks run on an ordinary Python thread, never
@@ -93,6 +95,51 @@ class _Span:
         self.size = size
 
 
+# CUDA streams live as long as the process; runtimes take them and give them back.
+#
+# Memory allocated on a stream is freed on that stream: an RMM ``DeviceBuffer`` keeps the
+# stream's handle, and an ``rmm...Stream`` wrapper the CuPy stream that owns it. When such
+# a buffer ends up in a reference cycle (an exception's traceback holding a device array
+# from a failed sub-chunk, say) after its runtime has closed, the garbage collector may
+# clear the wrapper first, destroying the stream, and then free the buffer on the dead
+# handle: a segfault, seen on the H200 during GPU tests. A stream that is never destroyed
+# cannot be used after its destruction; reusing it costs nothing.
+_free_streams: dict[int, list[Any]] = {}
+_all_streams: list[Any] = []  # every stream made, so that none is ever destroyed
+_pool_streams: dict[int, Any] = {}
+_streams_lock = threading.Lock()
+
+
+def _take_stream(device_id: int) -> Any:
+    """A non-blocking CuPy stream on ``device_id`` for a runtime, new or given back."""
+    with _streams_lock:
+        free = _free_streams.setdefault(device_id, [])
+        if free:
+            return free.pop()
+        with cupy.cuda.Device(device_id):
+            stream = cupy.cuda.Stream(non_blocking=True)
+        _all_streams.append(stream)
+        return stream
+
+
+def _give_back_stream(device_id: int, stream: Any) -> None:
+    with _streams_lock:
+        _free_streams.setdefault(device_id, []).append(stream)
+
+
+def _pool_stream(device_id: int) -> Any:
+    """The one stream on which every pinned pool of ``device_id`` allocates and frees."""
+    with _streams_lock:
+        stream = _pool_streams.get(device_id)
+    if stream is None:
+        mine = _take_stream(device_id)
+        with _streams_lock:
+            stream = _pool_streams.setdefault(device_id, mine)
+        if stream is not mine:
+            _give_back_stream(device_id, mine)
+    return stream
+
+
 class PinnedPool(HostPool):
     """A :class:`HostPool` whose blocks are pinned memory from an RMM pool.
 
@@ -117,11 +164,10 @@ class PinnedPool(HostPool):
                     initial_pool_size=size,
                     maximum_pool_size=size,
                 )
-                # All allocations and frees on one private stream: RMM keys its free lists
-                # by stream (and by thread for the default stream), so one stream lets any
+                # All allocations and frees on one stream: RMM keys its free lists by
+                # stream (and by thread for the default stream), so one stream lets any
                 # thread reuse any freed block at once, with no cross-stream event waits.
-                self._cupy_stream = cupy.cuda.Stream(non_blocking=True)
-                self._stream = RmmStream(obj=self._cupy_stream)
+                self._stream = RmmStream(obj=_pool_stream(device_id))
 
     def _raw(self, nbytes: int) -> tuple[np.ndarray, Callable[[], None] | None]:
         if nbytes == 0:
@@ -149,8 +195,7 @@ class CudaStream:
     def __init__(self, device_id: int, name: str):
         self.device_id = device_id
         self._device = cupy.cuda.Device(device_id)
-        with self._device:
-            self.cupy = cupy.cuda.Stream(non_blocking=True)
+        self.cupy = _take_stream(device_id)
         self.ptr = self.cupy.ptr
         self.name = name
         self._lock = threading.Lock()
@@ -226,6 +271,7 @@ class CudaStream:
             self._closed = True
             self._waits.put(_STOP)
         self._thread.join()
+        _give_back_stream(self.device_id, self.cupy)
 
 
 _device_pools: dict[int, Any] = {}
@@ -436,6 +482,17 @@ class CudaBackend:
                 cupy.cuda.runtime.memcpy2DAsync(
                     out.ctypes.data, pitch, src.data.ptr, width, width, height, _D2H, stream.ptr
                 )
+
+    def empty_device(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
+        # Stream-ordered on the current stream: other streams wait on a mark made after it.
+        return cupy.empty(shape, dtype)
+
+    def wait(self, stream: CudaStream, mark: Any) -> None:
+        stream.cupy.wait_event(mark)
+
+    def place(self, stream: CudaStream, device: Any, out: cupy.ndarray) -> None:
+        if out.size:
+            out[...] = device  # a device-to-device copy kernel on ``stream`` (current)
 
     def as_result(self, x: Any) -> Any | None:
         if isinstance(x, (cupy.ndarray, np.ndarray)):

@@ -110,6 +110,15 @@ class HostBackend:
     def copy_out(self, stream: Any, device: np.ndarray, out: np.ndarray) -> None:
         np.copyto(out, device)
 
+    def empty_device(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def wait(self, stream: Any, mark: Any) -> None:
+        pass  # host streams run their work synchronously: what was marked has happened
+
+    def place(self, stream: Any, device: np.ndarray, out: np.ndarray) -> None:
+        np.copyto(out, device)
+
     def as_result(self, x: Any) -> np.ndarray | None:
         if isinstance(x, np.ndarray):
             return x
