@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from distributed import LocalCluster
+from distributed.protocol.pickle import dumps
 from distributed.worker_memory import parse_memory_limit
 
 from .config import Options, check_positive_int
@@ -205,9 +206,10 @@ class LocalGPUCluster(LocalCluster):
 
     Worker *i* sees GPU *i* first in its ``CUDA_VISIBLE_DEVICES`` and runs
     ``threads_per_worker`` partitions at once, all sharing its runtime (built by an
-    :class:`~dask_overlap.OverlapPlugin` passed to every worker, so workers added later by
-    ``scale`` get it too). On a machine with no GPU it raises, unless ``allow_cpu=True``:
-    then it starts ``CPU_WORKERS`` workers on the host backend.
+    :class:`~dask_overlap.OverlapPlugin` registered with the scheduler, so workers added
+    later by ``scale`` get it too, and ``client.unregister_worker_plugin`` removes it).
+    On a machine with no GPU it raises, unless ``allow_cpu=True``: then it starts
+    ``CPU_WORKERS`` workers on the host backend.
 
     Parameters
     ----------
@@ -256,8 +258,10 @@ class LocalGPUCluster(LocalCluster):
             allow_cpu=allow_cpu,
             options=resolve_options(options, **overrides),
         )
+        # Registered with the scheduler once it starts (see _start), as a client's
+        # register_plugin would: every worker, including those added later by scale, gets
+        # it when it joins, and client.unregister_worker_plugin tears it down.
         self.plugin = OverlapPlugin(self.layout.options)
-        plugins = (*kwargs.pop("plugins", ()), self.plugin)
         # The scheduler's /overlap dashboard page (see dask_overlap.dashboard).
         scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
         dashboard_plugin = OverlapSchedulerPlugin()
@@ -272,7 +276,6 @@ class LocalGPUCluster(LocalCluster):
             threads_per_worker=threads,
             processes=True,
             memory_limit=memory_limit,
-            plugins=plugins,
             scheduler_kwargs=scheduler_kwargs,
             **kwargs,
         )
@@ -283,6 +286,12 @@ class LocalGPUCluster(LocalCluster):
             except BaseException:
                 self.close()
                 raise
+
+    async def _start(self) -> None:
+        await super()._start()
+        await self.scheduler_comm.register_worker_plugin(
+            plugin=dumps(self.plugin), name=self.plugin.name, idempotent=False
+        )
 
     def new_worker_spec(self) -> dict[int, dict[str, Any]]:
         """The next worker's spec: the lowest free index, with its GPU's environment."""

@@ -199,6 +199,11 @@ def test_local_gpu_cluster_cpu_path() -> None:
         got, theirs = client.compute([ours, da.map_blocks(func, x)], sync=True)
         np.testing.assert_array_equal(got, theirs)
 
+        # Registered with the scheduler, as a client's register_plugin would do.
+        client.unregister_worker_plugin(OverlapPlugin.name)
+        left = client.run(lambda dask_worker: OverlapPlugin.name in dask_worker.plugins)
+        assert list(left.values()) == [False] * CPU_WORKERS
+
 
 def test_local_gpu_cluster_gives_each_worker_its_gpu_first() -> None:
     # Device ids are only passed on: the host backend runs, so no GPU is needed.
@@ -219,9 +224,14 @@ def test_local_gpu_cluster_gives_each_worker_its_gpu_first() -> None:
                 dask_worker.name,
                 os.environ["CUDA_VISIBLE_DEVICES"],
                 dask_worker.state.nthreads,
+                OverlapPlugin.name in dask_worker.plugins,
             )
         )
-        assert sorted(envs.values()) == [(0, "3,5", 1), (1, "5,3", 1), (2, "3,5", 1)]
+        assert sorted(envs.values()) == [
+            (0, "3,5", 1, True),
+            (1, "5,3", 1, True),
+            (2, "3,5", 1, True),
+        ]
 
 
 def test_local_gpu_cluster_without_gpu_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
