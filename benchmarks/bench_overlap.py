@@ -83,6 +83,20 @@ def engine_busy(spans: list, start: float, end: float) -> dict[str, float]:
     return out
 
 
+def timeline_of(spans: list, start: float, seconds: float, *config: Any) -> dict[str, Any]:
+    """One run's stage spans (seconds from its start), for a picture or a diagnosis."""
+    keys = {k: n for n, k in enumerate(dict.fromkeys(s.key for s in spans))}
+    return {
+        "seconds": seconds,
+        "config": dict(zip(("sub_chunk_bytes", "in_flight", "threads"), config, strict=True)),
+        "columns": ["partition", "sub_chunk", "stream", "stage", "start", "end", "bytes"],
+        "spans": [
+            [keys[s.key], s.sub_chunk, s.stream, s.stage, s.start - start, s.end - start, s.nbytes]
+            for s in spans
+        ],
+    }
+
+
 def persist_seconds(arr: da.Array, threads: int) -> tuple[float, list[np.ndarray]]:
     """Seconds until every chunk of ``arr`` exists, and the chunks (in block order)."""
     t0 = time.perf_counter()
@@ -145,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--pinned-input", action="store_true", help="input already in the pinned pool")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each path; best kept")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--timeline-json", default=None, help="write the fastest run's stage spans here")
     args = p.parse_args(argv)
 
     backend = resolve_backend(args.backend)
@@ -217,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     out_bytes = nbytes  # the kernel is elementwise: one output byte per input byte
     bound_s, bound_stage, stages = bound_seconds(nbytes, out_bytes, kernel_s, ceilings, staged)
     before = rt.stats()
-    runs = []
+    runs: list[dict] = []
+    timeline: dict = {}
     for sub, in_flight, t in itertools.product(subs, in_flights, threads):
         arr = overlapped(x, sub, in_flight)
         best, busy, correct = float("inf"), {}, True
@@ -227,7 +243,17 @@ def main(argv: list[str] | None = None) -> dict:
             start = time.time()
             seconds, overlap_chunks = persist_seconds(arr, t)
             if seconds < best:
-                best, busy = seconds, engine_busy(list(rt.timeline), start, start + seconds)
+                spans = list(rt.timeline)
+                best, busy = seconds, engine_busy(spans, start, start + seconds)
+                if args.timeline_json and (not timeline or best < timeline["seconds"]):
+                    timeline = timeline_of(
+                        spans,
+                        start,
+                        best,
+                        sub or rt.options.sub_chunk_bytes,
+                        in_flight or rt.options.in_flight,
+                        t,
+                    )
             correct = correct and same_chunks(naive_chunks, overlap_chunks)
         runs.append(
             {
@@ -301,6 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"speedup vs naive {result['speedup_vs_naive']:.2f}x   correct={result['correct']}"
     )
     write_json(args.json, result)
+    write_json(args.timeline_json, timeline or None)
     dask_overlap.close_runtimes()
     return result
 

@@ -6,7 +6,8 @@
 #   bash ci/gpu.sh [all|tests|bench|timeline|cluster|demo|dashboard|trap]...
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
-# BENCH_CASES, STAGING_THREADS, CASE_LIMIT; tests: TESTS_LIMIT, TESTS_MARK.
+# BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
+# CLUSTER_SIZE, CLUSTER_REPEAT, CLUSTER_LIMIT; tests: TESTS_LIMIT, TESTS_MARK, TESTS_PATHS.
 #
 # Expects the carried wheels in .whl/ (../shared/gpu/fetch-wheels.sh) and installs them
 # into /tmp/site unless dask and rmm import already. Each step has its own time limit, so
@@ -35,7 +36,7 @@ run_tests() {
     local mark=${TESTS_MARK:-gpu and not slow}
     log "pytest -m \"$mark\""
     timeout "${TESTS_LIMIT:-150}" python3 -m pytest -m "$mark" -q -p no:cacheprovider --timeout 300 \
-        --durations 8 tests >"$OUT/pytest-gpu.log" 2>&1 || status=1
+        --durations 8 ${TESTS_PATHS:-tests} >"$OUT/pytest-gpu.log" 2>&1 || status=1
     tail -n 40 "$OUT/pytest-gpu.log"
 }
 
@@ -52,7 +53,7 @@ bench_case() {  # name, then bench_overlap.py arguments
     shift
     log "bench $name: $*"
     timeout "${CASE_LIMIT:-75}" python3 benchmarks/bench_overlap.py --backend cuda \
-        --json "$OUT/cases/$name.json" "$@" 2>&1 | grep -v "^ *warn\|Warning" | tail -n 30 || status=1
+        --json "$OUT/cases/$name.json" --timeline-json "$OUT/cases/$name.spans" "$@" 2>&1 | grep -v "^ *warn\|Warning" | tail -n 30 || status=1
 }
 
 run_bench() {
@@ -75,8 +76,10 @@ run_bench() {
     python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
-cases = {os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob(f"{out}/cases/*.json"))}
-json.dump(cases, open(f"{out}/bench-cuda.json", "w"), indent=1)
+def load(ext):
+    return {os.path.basename(p)[: -len(ext)]: json.load(open(p)) for p in sorted(glob.glob(f"{out}/cases/*{ext}"))}
+json.dump(load(".json"), open(f"{out}/bench-cuda.json", "w"), indent=1)
+json.dump(load(".spans"), open(f"{out}/bench-cuda-spans.json", "w"))
 PY
     rm -rf "$OUT/cases"
 }
@@ -88,10 +91,18 @@ run_timeline() {
 }
 
 run_cluster() {
-    log "cluster bench: LocalGPUCluster, threads per worker ${CLUSTER_THREADS:-1,4}"
-    timeout "${CLUSTER_LIMIT:-100}" python3 benchmarks/bench_cluster.py --threads "${CLUSTER_THREADS:-1,4}" \
-        --size "${CLUSTER_SIZE:-2GiB}" --partition 256MiB --repeat 1 --json "$OUT/bench-cluster.json" \
-        2>&1 | grep -v "^ \|Warning\|warn" | tail -n 6 || status=1
+    # CLUSTER_WORKERS: a space-separated list of worker counts ("default" = one per GPU;
+    # more workers than GPUs share them, e.g. 2 on one H200).
+    local w flag
+    for w in ${CLUSTER_WORKERS:-default}; do
+        [ "$w" = default ] && w=""
+        flag=${w:+--workers $w}
+        log "cluster bench: LocalGPUCluster ${w:-one per GPU} worker(s), threads ${CLUSTER_THREADS:-1,4}"
+        timeout "${CLUSTER_LIMIT:-100}" python3 benchmarks/bench_cluster.py $flag \
+            --threads "${CLUSTER_THREADS:-1,4}" --size "${CLUSTER_SIZE:-2GiB}" --partition 256MiB \
+            --repeat "${CLUSTER_REPEAT:-1}" --json "$OUT/bench-cluster${w:+-$w-workers}.json" \
+            2>&1 | grep -v "^ \|Warning\|warn" | tail -n 8 || status=1
+    done
 }
 
 run_demo() {

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--size", default=None, help="input bytes (default 256MiB; 4GiB on a GPU)")
     p.add_argument("--partition", default=None, help="bytes per partition (default size/16)")
-    p.add_argument("--sub-chunk", default=None, help="bytes per sub-chunk (8MiB; 32MiB on a GPU)")
+    p.add_argument("--sub-chunk", default=None, help="bytes per sub-chunk (8MiB; 64MiB on a GPU)")
     p.add_argument("--workers", type=int, default=None, help="default: one per GPU, or 2 CPU")
     p.add_argument(
         "--threads", type=int, default=None, help="partitions in flight per worker (2; 4 on a GPU)"
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     cols = 1024
     rows, rows_per_part = max(1, size // (4 * cols)), max(1, part // (4 * cols))
     nbytes = rows * cols * 4
-    sub_chunk = args.sub_chunk or ("32MiB" if gpu else "8MiB")
+    sub_chunk = args.sub_chunk or ("64MiB" if gpu else "8MiB")
     threads = args.threads or (4 if gpu else 2)
     # The outputs stay in pinned memory while Dask holds them (no copy back): size the pool
     # for the whole result, shared among the workers, plus the staging in flight.

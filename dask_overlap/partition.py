@@ -103,6 +103,7 @@ class _PartitionRun:
         self.axes, self.plan = self._plan()
         # Per sub-chunk state, keyed by sub-chunk index; see the module docstring.
         self.host_in: dict[int, list[Any]] = {}
+        self.to_stage: dict[int, list[bool]] = {}
         self.held: dict[int, list[np.ndarray]] = {}
         self.dev_in: dict[int, list[Any]] = {}
         self.dev_out: dict[int, Any] = {}
@@ -189,7 +190,9 @@ class _PartitionRun:
         n = len(self.plan)
         for i in range(n):
             self.host_in[i] = self._inputs(i)
-        staged = [any(self._needs_staging(x) for x in self.host_in[i]) for i in range(n)]
+            # Asked once per input: on CUDA it may be a driver call (pointerGetAttributes).
+            self.to_stage[i] = [self._needs_staging(x) for x in self.host_in[i]]
+        staged = [any(self.to_stage[i]) for i in range(n)]
         pipe = Pipeline(n, self.spec.in_flight, staged, stream_ordered=True)
         counters.add(sub_chunks=n)
         in_flight = 0
@@ -284,7 +287,7 @@ class _PartitionRun:
         inputs = self.host_in[i]
         held, pieces, staged_bytes, fallbacks = [], [], 0, 0
         for j, x in enumerate(inputs):
-            if not self._needs_staging(x):
+            if not self.to_stage[i][j]:
                 continue
             block = pool.allocate(x.nbytes)
             if block is None:
@@ -512,6 +515,7 @@ class _PartitionRun:
         if stream is not None:
             self.rt.release_stream(stream)
         self.host_in.pop(i, None)
+        self.to_stage.pop(i, None)
         self.held.pop(i, None)
         self.dev_in.pop(i, None)
         self.dev_out.pop(i, None)
