@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +30,27 @@ def require_gpu() -> Any:
     if not cp.cuda.is_available():
         pytest.skip("no CUDA GPU is visible", allow_module_level=True)
     return cp
+
+
+def kill_a_busy_worker(client: Any, future: Any) -> str:
+    """SIGKILL a worker that holds finished partitions of ``future``'s computation.
+
+    Waits until a worker's runtime has run two partitions (their results are lost with
+    it), checks the computation is still running, kills the process by its PID and waits
+    until the scheduler has seen it go. Returns the victim's address.
+    """
+    from dask_overlap import runtime_stats
+
+    pids = client.run(os.getpid)
+    victim = poll(
+        lambda: next(
+            (w for w, s in client.run(runtime_stats).items() if s["partitions"] >= 2), None
+        )
+    )
+    assert not future.done()
+    os.kill(pids[victim], signal.SIGKILL)
+    poll(lambda: victim not in client.scheduler_info()["workers"], timeout=60)
+    return victim
 
 
 # What the GPU test modules run under: the cuda backend with small, bounded pools.

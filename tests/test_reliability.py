@@ -12,7 +12,6 @@ import _thread
 import gc
 import os
 import re
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from dask.base import tokenize
 from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph
 from distributed import Client, LocalCluster
-from support import poll
+from support import kill_a_busy_worker, poll
 
 import dask_overlap
 from dask_overlap import OverlapPlugin, runtime_stats
@@ -682,16 +681,7 @@ def test_worker_killed_mid_computation(tmp_path) -> None:
         x = da.from_array(data, chunks=(chunk, 16))
         y = dask_overlap.map_blocks(held_back, x, split_axis=0, sub_chunk_bytes=512)
         fut = client.compute(y)
-        pids = client.run(os.getpid)
-        # a victim that already holds finished partitions: they are lost with it
-        victim = poll(
-            lambda: next(
-                (w for w, s in client.run(runtime_stats).items() if s["partitions"] >= 2), None
-            )
-        )
-        assert not fut.done()
-        os.kill(pids[victim], signal.SIGKILL)
-        poll(lambda: victim not in client.scheduler_info()["workers"], timeout=60)
+        victim = kill_a_busy_worker(client, fut)
         open(marker, "a").close()
         got = fut.result(timeout=120)
         same_bits(got, expected)

@@ -12,7 +12,6 @@ import _thread
 import gc
 import os
 import re
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from support import GPU_CONFIG, GPU_POOL, poll, require_gpu
+from support import GPU_CONFIG, GPU_POOL, kill_a_busy_worker, poll, require_gpu
 
 import dask_overlap
 
@@ -418,14 +417,6 @@ def test_worker_killed_mid_computation(tmp_path) -> None:
         client.register_plugin(OverlapPlugin(**PLUGIN))
         x = da.from_array(data, chunks=(64, 256))
         fut = client.compute(dask_overlap.map_blocks(held_back, x, split_axis=0))
-        pids = client.run(os.getpid)
-        victim = poll(
-            lambda: next(
-                (w for w, s in client.run(runtime_stats).items() if s["partitions"] >= 2), None
-            )
-        )
-        assert not fut.done()
-        os.kill(pids[victim], signal.SIGKILL)
-        poll(lambda: victim not in client.scheduler_info()["workers"], timeout=60)
+        kill_a_busy_worker(client, fut)
         open(marker, "a").close()
         same_bits(fut.result(timeout=180), data * 3 + 1)
