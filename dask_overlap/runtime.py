@@ -63,6 +63,7 @@ class Runtime:
         # queued behind another's copy waits even when its own engine is idle. Leasing the
         # least-loaded stream keeps that head-of-line blocking to when every stream is busy.
         self._leases = [0] * len(self.streams)
+        self._index = {id(s): j for j, s in enumerate(self.streams)}
         self._turn = 0
         self._lock = threading.Lock()
         self.closed = False
@@ -81,13 +82,11 @@ class Runtime:
     def release_stream(self, stream: Stream) -> None:
         """End a lease taken with :meth:`acquire_stream`."""
         with self._lock:
-            self._leases[self.streams.index(stream)] -= 1
+            self._leases[self._index[id(stream)]] -= 1
 
     def stream_index(self, stream: Stream | None) -> int:
-        for j, s in enumerate(self.streams):
-            if s is stream:
-                return j
-        return -1
+        """``stream``'s place in the pool; -1 for ``None`` (staging threads)."""
+        return self._index.get(id(stream), -1)
 
     def record_spans(
         self,
