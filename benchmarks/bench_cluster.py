@@ -32,7 +32,7 @@ import dask_overlap
 from dask_overlap.cluster import plan_workers
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import KERNEL_RATIO, WORKLOADS, write_json  # noqa: E402
+from bench_overlap import KERNEL_RATIO, WORKLOADS, comma_list, write_json  # noqa: E402
 from ceilings import measure_ceilings  # noqa: E402
 from kernels import make_kernel  # noqa: E402
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     results: list[dict[str, Any]] = []
     calib = None
-    for t in (int(s) for s in args.threads.split(",") if s):
+    for t in comma_list(args.threads, int):
         r = run_one(args, t, calib)
         calib = {k: r[k] for k in ("ceilings_gbps", "kernel_seconds", "iterations")}
         results.append(r)

@@ -54,7 +54,7 @@ def write_json(path: str | None, data: Any) -> None:
             json.dump(data, f, indent=2)
 
 
-def _list(text: str, parse: Callable[[str], Any]) -> list:
+def comma_list(text: str, parse: Callable[[str], Any]) -> list:
     """``"a,b"`` parsed item by item; empty items skipped."""
     return [parse(t) for t in str(text).split(",") if t]
 
@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> dict:
     row = 1024  # float32 columns: 4 KiB rows
     rows, rows_per_part = max(1, size // (4 * row)), max(1, part // (4 * row))
     nbytes = rows * row * 4
-    subs = _list(args.sub_chunk, parse_bytes) or [None]
-    in_flights = _list(args.in_flight, int) or [None]
-    threads = _list(args.threads, int) or [4]
+    subs = comma_list(args.sub_chunk, parse_bytes) or [None]
+    in_flights = comma_list(args.in_flight, int) or [None]
+    threads = comma_list(args.threads, int) or [4]
     pool = int(nbytes * (2.2 if args.pinned_input else 1.2)) + 64 * 2**20
     cfg = {
         "overlap.backend": backend,
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     x = array_of_views(host, rows_per_part)
     n_parts = x.numblocks[0]
     kernel_s = kernel_s_part * rows / rows_per_part
-    naive_threads = _list(args.naive_threads, int) or threads[:1]
+    naive_threads = comma_list(args.naive_threads, int) or threads[:1]
 
     def naive_block(b: np.ndarray) -> np.ndarray:
         return rt.backend.naive(func, b)

@@ -22,7 +22,7 @@ from dask.utils import format_bytes, parse_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_cluster import run_one  # noqa: E402
-from bench_overlap import write_json  # noqa: E402
+from bench_overlap import comma_list, write_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
-    counts = [int(n) for n in args.workers.split(",") if n]
+    counts = comma_list(args.workers, int)
     base = parse_bytes(args.size)
     out: dict = {"weak": [], "strong": []}
     calib = None
