@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from . import config as _config  # registers the overlap.* defaults with dask.config
 from .array import map_blocks
 from .config import Options, TimedModel
-from .runtime import Runtime, close_runtimes, get_runtime, runtime_stats
+from .current import get_runtime, runtime_stats
+from .runtime import Runtime, close_runtimes
 
 if TYPE_CHECKING:
     from .cluster import LocalGPUCluster

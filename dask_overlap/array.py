@@ -24,7 +24,8 @@ from dask.utils import funcname, has_keyword
 
 from .backends import resolve_backend
 from .config import Options
-from .partition import PartitionSpec
+from .current import get_runtime
+from .partition import OUT_MODES, PartitionSpec, run_partition
 
 __all__ = ["map_blocks"]
 
@@ -135,8 +136,6 @@ class _PartitionTask:
         )
 
     def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
-        from .runtime import get_runtime
-
         if self.func_block_id:
             kwargs = dict(kwargs, block_id=block_id)
         out_shape = None
@@ -158,7 +157,7 @@ class _PartitionTask:
             out_dtype=self.out_dtype,
             out=self.out,
         )
-        return get_runtime(self.backend).run_partition(self.func, args, kwargs, spec)
+        return run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
 
     def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
         return self._run(args, block_id, None, kwargs)
@@ -256,10 +255,14 @@ def map_blocks(
         How many sub-chunks of a partition may be in flight at once (the bounded queue;
         default ``overlap.in-flight``). When it is full the submitter waits.
     out
-        ``"host"`` (default): each output block is a NumPy array, in pinned memory when
-        the pool can serve it. ``"device"``: it stays where ``func`` computed it, a CuPy
-        array on the GPU (NumPy on the host path), and nothing is copied back; ``meta``
-        is then a CuPy array when the backend resolves to ``cuda`` in the calling process.
+        ``"host"`` (default): each output block is an ordinary NumPy array, copied back
+        through the worker's pinned ring. ``"pinned"``: a NumPy array in the worker's
+        pinned pool, written by the copy from the device with no further copy (for a
+        consumer that copies it to a device again); Dask holds it, so at most half the
+        pool is kept so, and past that blocks are ordinary arrays (``pinned_fallbacks``).
+        ``"device"``: it stays where ``func`` computed it, a CuPy array on the GPU
+        (NumPy on the host path), and nothing is copied back; ``meta`` is then a CuPy
+        array when the backend resolves to ``cuda`` in the calling process.
 
     Returns
     -------
@@ -277,8 +280,8 @@ def map_blocks(
         raise TypeError(
             f"func must be callable, got {reprlib.repr(func)} of type {type(func).__name__}"
         )
-    if out not in ("host", "device"):
-        raise ValueError(f"out must be 'host' or 'device', got {out!r}")
+    if out not in OUT_MODES:
+        raise ValueError(f"out must be one of {', '.join(map(repr, OUT_MODES))}; got {out!r}")
     opts = Options.from_config(sub_chunk_bytes=sub_chunk_bytes, in_flight=in_flight)
     _guard_gpu_kernels()
 

@@ -64,6 +64,14 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def _check_threads(name: str, value: Any) -> int | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}")
+    return int(value)
+
+
 def _check_rate(name: str, value: Any) -> float:
     return float(check_bytes(name, value))
 
@@ -115,7 +123,7 @@ class Options:
     sub_chunk_bytes: int
     in_flight: int
     streams: int
-    staging_threads: int
+    staging_threads: int | str  # or "auto": see copies.auto_threads
     pinned_pool_size: int
     device_pool_size: int
     device_memory_resource: str
@@ -153,7 +161,7 @@ class Options:
             sub_chunk_bytes=check_bytes("sub_chunk_bytes", get("sub_chunk_bytes")),
             in_flight=check_positive_int("in_flight", get("in_flight")),
             streams=check_positive_int("streams", get("streams")),
-            staging_threads=check_positive_int("staging_threads", get("staging_threads")),
+            staging_threads=_check_threads("staging_threads", get("staging_threads")),
             pinned_pool_size=check_bytes(
                 "pinned_pool_size", get("pinned_pool_size"), allow_zero=True
             ),

@@ -8,12 +8,21 @@ ordering rule of the assembly line lives here, so the tests can drive it directl
 
 Each sub-chunk goes through the stages, in this order::
 
-    STAGE (host copy into pinned memory; only when an input is pageable)
-    H2D   (copy to the device)
-    COMPUTE (the user's function)
-    D2H   (copy into the output)
+    STAGE   (host copy of pageable input into the pinned ring; only when needed)
+    H2D     (copy to the device)          \\
+    COMPUTE (the user's function)          > issued together, on one in-order stream
+    D2H     (copy into the pinned ring)   /
+    UNSTAGE (host copy out of the ring into the result; only when needed)
 
-A sub-chunk is *in flight* from its admission until its D2H completes or it fails.
+H2D, COMPUTE and D2H go to one in-order stream, so they are issued together as soon as
+the sub-chunk is staged: the device never waits for the submitter between them. Their
+one completion is the D2H's (which implies the other two); either of the first two may
+instead fail.
+
+A sub-chunk is *in flight* from its admission until its last stage completes or it fails.
+Admission is in index order, while the window has room and, when the runner passes an
+``admit`` callback, while that callback agrees (the runner's pinned ring has room for
+the sub-chunk's buffers): a sub-chunk never holds ring memory while it waits for more.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = [
     "Action",
@@ -41,6 +50,11 @@ class Stage(enum.IntEnum):
     H2D = 1
     COMPUTE = 2
     D2H = 3
+    UNSTAGE = 4
+
+
+#: The stages issued together on one stream once a sub-chunk is staged.
+DEVICE_STAGES = (Stage.H2D, Stage.COMPUTE, Stage.D2H)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +136,13 @@ class EngineError(RuntimeError):
     """An event that breaks the pipeline's protocol (a bug in a backend or the runner)."""
 
 
-_NEXT = {Stage.STAGE: Stage.H2D, Stage.H2D: Stage.COMPUTE, Stage.COMPUTE: Stage.D2H}
+def _flags(name: str, value: bool | Sequence[bool], n: int) -> list[bool]:
+    if isinstance(value, bool):
+        return [value] * n
+    flags = list(value)
+    if len(flags) != n:
+        raise ValueError(f"{name} must have one entry per sub-chunk ({n}), got {len(flags)}")
+    return flags
 
 
 class Pipeline:
@@ -136,17 +156,20 @@ class Pipeline:
         The window: at most this many sub-chunks are admitted and not yet finished.
     staged
         Whether sub-chunks start with :attr:`Stage.STAGE` (pageable input) or go
-        straight to :attr:`Stage.H2D`. A sequence gives the choice per sub-chunk.
-    stream_ordered
-        When true, H2D, COMPUTE and D2H of a sub-chunk are issued together as soon as it
-        is staged: they go to one in-order stream, so the device never waits for the
-        submitter between them. Their completions must still arrive in stage order.
+        straight to the device stages. A sequence gives the choice per sub-chunk.
+    unstaged
+        Whether sub-chunks end with :attr:`Stage.UNSTAGE` after their D2H (the output
+        lands in the pinned ring and is then copied into the result).
+    admit
+        ``admit(i)`` says whether sub-chunk ``i`` may be admitted now (the runner's
+        pinned ring has room for it). While it refuses, the pipeline is :attr:`stalled`;
+        admission resumes on the next completion or on :meth:`retry`.
 
     Examples
     --------
     >>> p = Pipeline(3, in_flight=2, staged=False)
-    >>> p.start()
-    [Action(stage=<Stage.H2D: 1>, index=0), Action(stage=<Stage.H2D: 1>, index=1)]
+    >>> [(a.stage.name, a.index) for a in p.start()]
+    [('H2D', 0), ('COMPUTE', 0), ('D2H', 0), ('H2D', 1), ('COMPUTE', 1), ('D2H', 1)]
     >>> p.window_full, p.pending
     (True, 1)
     """
@@ -156,7 +179,8 @@ class Pipeline:
         n_sub_chunks: int,
         in_flight: int,
         staged: bool | Sequence[bool],
-        stream_ordered: bool = False,
+        unstaged: bool | Sequence[bool] = False,
+        admit: Callable[[int], bool] | None = None,
     ):
         if n_sub_chunks < 1:
             raise ValueError(f"n_sub_chunks must be >= 1, got {n_sub_chunks}")
@@ -164,12 +188,9 @@ class Pipeline:
             raise ValueError(f"in_flight must be >= 1, got {in_flight}")
         self.n = n_sub_chunks
         self.window = in_flight
-        if isinstance(staged, bool):
-            staged = [staged] * n_sub_chunks
-        self._staged = list(staged)
-        self.stream_ordered = stream_ordered
-        if len(self._staged) != n_sub_chunks:
-            raise ValueError("staged must have one entry per sub-chunk")
+        self._staged = _flags("staged", staged, n_sub_chunks)
+        self._unstaged = _flags("unstaged", unstaged, n_sub_chunks)
+        self._admit_ok = admit
         self._next_admit = 0
         # sub-chunk index -> the stage whose completion we wait for
         self._waiting: dict[int, Stage] = {}
@@ -177,7 +198,7 @@ class Pipeline:
         self.failed = 0
         self.error: BaseException | None = None
         self.max_in_flight = 0
-        self.history: list[tuple[int, Stage]] = []
+        self.stalled = False
         self._started = False
 
     # -- state -------------------------------------------------------------------------
@@ -196,8 +217,9 @@ class Pipeline:
 
     @property
     def blocked(self) -> bool:
-        """True when work waits only because the window is full: the submitter's wait."""
-        return self.window_full and self.pending > 0
+        """True when work waits only because the window is full or the ring refused it:
+        the submitter's wait (backpressure)."""
+        return self.pending > 0 and (self.window_full or self.stalled)
 
     @property
     def done(self) -> bool:
@@ -210,52 +232,57 @@ class Pipeline:
         self._started = True
         return self._admit()
 
+    def retry(self) -> list[Action]:
+        """Ask ``admit`` again (the runner saw room appear in its ring)."""
+        return self._admit() if self._started else []
+
     def handle(self, event: Done | Failed) -> list[Action]:
         """Take one event; return the actions it makes possible."""
-        expected = self._waiting.get(event.index)
-        if expected is None or expected != event.stage:
+        i = event.index
+        expected = self._waiting.get(i)
+        allowed = expected == event.stage or (
+            isinstance(event, Failed) and expected == Stage.D2H and event.stage in DEVICE_STAGES
+        )
+        if not allowed:
             raise EngineError(
-                f"unexpected {type(event).__name__}({event.stage.name}, {event.index}); "
-                f"sub-chunk {event.index} waits for "
-                f"{expected.name if expected is not None else 'nothing'}"
+                f"unexpected {type(event).__name__}({event.stage.name}, {i}); "
+                f"sub-chunk {i} waits for {expected.name if expected is not None else 'nothing'}"
             )
         if isinstance(event, Failed):
-            del self._waiting[event.index]
+            del self._waiting[i]
             self.failed += 1
             if self.error is None:
                 self.error = event.error
             return []
-        self.history.append((event.index, event.stage))
         if self.error is not None:
-            # Draining after a failure: let what was started finish, start nothing new.
-            # Stream-ordered stages already queued behind this one will still report.
-            if self.stream_ordered and event.stage in (Stage.H2D, Stage.COMPUTE):
-                self._waiting[event.index] = _NEXT[event.stage]
-            else:
-                del self._waiting[event.index]
+            # Draining after a failure: what was started has finished its current stage;
+            # start nothing new, not even this sub-chunk's next stage.
+            del self._waiting[i]
             return []
-        if event.stage == Stage.D2H:
-            del self._waiting[event.index]
-            self.completed += 1
-            return self._admit()
-        nxt = _NEXT[event.stage]
-        self._waiting[event.index] = nxt
-        if self.stream_ordered and event.stage != Stage.STAGE:
-            return []  # already issued with its H2D
-        return self._issue(nxt, event.index)
-
-    def _issue(self, stage: Stage, i: int) -> list[Action]:
-        if self.stream_ordered and stage == Stage.H2D:
-            return [Action(Stage.H2D, i), Action(Stage.COMPUTE, i), Action(Stage.D2H, i)]
-        return [Action(stage, i)]
+        if event.stage == Stage.STAGE:
+            self._waiting[i] = Stage.D2H
+            return [Action(s, i) for s in DEVICE_STAGES]
+        if event.stage == Stage.D2H and self._unstaged[i]:
+            self._waiting[i] = Stage.UNSTAGE
+            return [Action(Stage.UNSTAGE, i)]
+        del self._waiting[i]
+        self.completed += 1
+        return self._admit()
 
     def _admit(self) -> list[Action]:
-        actions = []
+        actions: list[Action] = []
+        self.stalled = False
         while self.pending and not self.window_full:
             i = self._next_admit
+            if self._admit_ok is not None and not self._admit_ok(i):
+                self.stalled = True
+                break
             self._next_admit += 1
-            first = Stage.STAGE if self._staged[i] else Stage.H2D
-            self._waiting[i] = first
-            actions.extend(self._issue(first, i))
+            if self._staged[i]:
+                self._waiting[i] = Stage.STAGE
+                actions.append(Action(Stage.STAGE, i))
+            else:
+                self._waiting[i] = Stage.D2H
+                actions.extend(Action(s, i) for s in DEVICE_STAGES)
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         return actions

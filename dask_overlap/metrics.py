@@ -72,8 +72,14 @@ RATE_WINDOW = 2.0
 TIMELINE_LIMIT = 1500
 
 # Stage names as the runtime's timeline writes them, and as metric labels show them.
-STAGES = ("stage", "h2d", "compute", "d2h")
-_LABEL = {"stage": "staging", "h2d": "h2d", "compute": "compute", "d2h": "d2h"}
+STAGES = ("stage", "h2d", "compute", "d2h", "unstage")
+_LABEL = {
+    "stage": "staging",
+    "h2d": "h2d",
+    "compute": "compute",
+    "d2h": "d2h",
+    "unstage": "unstaging",
+}
 
 
 def busy_unit(backend: str) -> str:
@@ -218,6 +224,7 @@ _COLORS = {  # ARGB, as the task stream and the dashboard colour the stages
     "h2d": 0xFF1F77B4,
     "compute": 0xFF2CA02C,
     "d2h": 0xFFFF7F0E,
+    "unstage": 0xFF9E9E9E,
 }
 
 
@@ -472,7 +479,7 @@ class _Collector:
                 fams[k].add_metric([address], m[field])
             for k in gauges:
                 fams[k].add_metric([address], m[k])
-            for d in ("staged", "h2d", "d2h"):
+            for d in ("staged", "h2d", "d2h", "unstaged"):
                 moved.add_metric([address, d], m[f"bytes_{d}"])
             rate.add_metric([address, "h2d"], m["h2d_bytes_per_second"])
             rate.add_metric([address, "d2h"], m["d2h_bytes_per_second"])

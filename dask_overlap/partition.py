@@ -1,52 +1,48 @@
 """The partition runner: drives the engine for one partition over a runtime's backend.
 
-The task's thread is the *submitter*: it turns the engine's actions into work on the
-staging threads and the streams, and waits for their completions, which come back as
-engine events through one queue. When the window is full it waits, and that wait is
-counted as backpressure.
+The task's thread is the *submitter*: it turns the engine's actions into work on the copy
+threads and the streams, and waits for their completions, which come back as engine
+events through one queue. When the window is full, or the pinned ring has no room for
+the next sub-chunk, it waits, and that wait is counted as backpressure.
 
-Ownership: every buffer of a sub-chunk (pinned staging blocks, device inputs, the device
-result) is held in this object until the sub-chunk's copy-out has *completed* on its
-stream, then dropped, which returns pinned blocks to the pool. After a failure nothing is
-dropped until every stream this partition used has completed, so no asynchronous copy
-can outlive its buffer.
+The memory model (see ``backends/base.HostPool``): pinned memory is the pipeline's
+working set, never what Dask holds. Before a sub-chunk is admitted it reserves room in
+the ring for its staged inputs and its copied-out result; pageable input is staged into
+it by the copy threads, the device result is copied back into it, and the copy threads
+then copy it into the partition's result ("unstaging"), an ordinary NumPy array by
+default (``out="host"``). ``out="pinned"`` keeps the result in the pool instead (bounded,
+counted); ``out="device"`` keeps it on the device.
+
+Ownership: every buffer of a sub-chunk (ring blocks, device inputs, the device result)
+is held by its :class:`_Sub` until the copy that reads it has *completed*: inputs and
+device buffers until the D2H's completion, the ring's copy of the result until it is
+unstaged. After a failure nothing is dropped before every stream this partition used has
+completed, so no asynchronous copy can outlive its buffer.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .engine import Action, Done, Failed, Pipeline, Plan, Stage, plan_sub_chunks
+from .engine import Action, Done, Failed, Pipeline, Stage
+from .layout import Layout, layout
 from .metrics import TaskMeter, nvtx_range
+from .results import check_declared, check_like_first, check_split_extent, not_an_array
+from .runtime import Runtime
 
-__all__ = ["PartitionSpec", "run_partition"]
+__all__ = ["OUT_MODES", "PartitionSpec", "run_partition"]
 
-# A partition of one sub-chunk up to this size is staged on the task's own thread.
-_INLINE_STAGING = 4 << 20
-# Staging copies are cut into pieces of at least this size, run by the staging threads.
-_STAGING_PIECE = 4 << 20
-
-
-def _pieces(src: np.ndarray, dst: np.ndarray, threads: int) -> list[tuple[Any, Any]]:
-    """``(src, dst)`` row ranges that together copy ``src`` into ``dst``."""
-    rows = src.shape[0] if src.ndim else 1
-    n = max(1, min(threads, src.nbytes // _STAGING_PIECE, rows))
-    if n == 1:
-        return [(src, dst)]
-    bounds = [rows * k // n for k in range(n + 1)]
-    return [(src[lo:hi], dst[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False)]
-
-
-_SKIPPED = object()  # what a stage returns when an earlier stage of its sub-chunk failed
+#: What ``out=`` may be: where a partition's result lives.
+OUT_MODES = ("host", "pinned", "device")
+#: How long a submitter that holds nothing waits for ring room before it looks again.
+_RING_POLL_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,110 +66,138 @@ class PartitionSpec:
     # ``None`` for an extent Dask does not know either).
     out_shape: tuple[int | None, ...] | None = None
     out_dtype: Any = None
-    # "host": the output block is host memory (pinned when the pool can serve);
-    # "device": it stays a device array (CuPy on the GPU), and nothing is copied out.
+    # One of OUT_MODES: "host" (an ordinary NumPy array, filled from the ring), "pinned"
+    # (a block of the pinned pool), "device" (stays on the device; nothing copied out).
     out: str = "host"
 
 
-def _along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
-    return (slice(None),) * axis + (slice(start, stop),)
-
-
 def run_partition(
-    runtime: Any, func: Callable[..., Any], args: tuple, kwargs: dict, spec: PartitionSpec
+    runtime: Runtime, func: Callable[..., Any], args: tuple, kwargs: dict, spec: PartitionSpec
 ) -> Any:
     """Run ``func`` over one partition through the pipeline; return the output block."""
     return _PartitionRun(runtime, func, args, kwargs, spec).run()
 
 
+class _Sub:
+    """One sub-chunk's buffers and timings; see the module docstring for who holds what."""
+
+    __slots__ = (
+        "d2h_bytes",
+        "dest",
+        "device",
+        "h2d_bytes",
+        "inputs",
+        "marks",
+        "on_device",
+        "res",
+        "ring_out",
+        "spans",
+        "stage_now",
+        "stream",
+        "to_stage",
+    )
+
+    def __init__(self, inputs: list[Any], to_stage: list[bool], h2d_bytes: int):
+        self.inputs = inputs
+        self.to_stage = to_stage
+        self.h2d_bytes = h2d_bytes
+        self.d2h_bytes = 0
+        self.res: Any = None  # the ring reservation
+        self.ring_out: Any = None  # the result's copy in the ring, until unstaged
+        self.dest: Any = None  # where unstaging puts it
+        self.device: Any = None  # device inputs and result, until the D2H completed
+        self.stream: Any = None
+        self.marks: list[Any] = []
+        self.spans: list[tuple[str, float, float, int]] = []
+        self.stage_now = Stage.H2D
+        self.on_device = False  # counted in device_bytes_in_flight
+
+
 class _PartitionRun:
-    def __init__(self, rt: Any, func: Callable, args: tuple, kwargs: dict, spec: PartitionSpec):
+    def __init__(self, rt: Runtime, func: Callable, args: tuple, kwargs: dict, spec: PartitionSpec):
         self.rt = rt
         self.backend = rt.backend
+        self.pool = rt.backend.pinned
         self.func = func
-        self.args = list(args)
         self.kwargs = kwargs
         self.spec = spec
-        self.events: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
+        self.where = f"partition {spec.key!r}"
+        self.args = list(args)
+        is_device = self.backend.is_device
         for p in spec.array_positions:
-            if not self.backend.is_device(self.args[p]) and not isinstance(
-                self.args[p], np.ndarray
-            ):
+            if not is_device(self.args[p]) and not isinstance(self.args[p], np.ndarray):
                 self.args[p] = np.asarray(self.args[p])
-        self.axes, self.plan = self._plan()
-        # Per sub-chunk state, keyed by sub-chunk index; see the module docstring.
-        self.host_in: dict[int, list[Any]] = {}
-        self.to_stage: dict[int, list[bool]] = {}
-        self.held: dict[int, list[np.ndarray]] = {}
-        self.dev_in: dict[int, list[Any]] = {}
-        self.dev_out: dict[int, Any] = {}
-        self.dev_bytes: dict[int, int] = {}
-        self.streams: dict[int, Any] = {}
+        self.lay: Layout = layout(
+            self.args,
+            spec.array_positions,
+            spec.ndim,
+            spec.split_axis,
+            spec.out_split_axis,
+            spec.sub_chunk_bytes,
+            self.where,
+        )
+        self.split = len(self.lay.plan) > 1
+        self.events: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
+        pinned = self._pinned_inputs()
+        self.subs = [self._new_sub(i, pinned) for i in range(len(self.lay.plan))]
+        self.need = 0  # ring bytes the next sub-chunk waits for, while the engine stalls
         self.out: Any = None
         self.out_ready: Any = None  # out="device": a mark made after allocating self.out
         self._out_lock = threading.Lock()
-        # Timings: host-side spans (staging) and stream marks, resolved on completion.
-        self.spans: dict[int, list[tuple[str, float, float, int]]] = {}
-        self.marks: dict[int, list[tuple[str, Any, Any, int]]] = {}
+        self.used_streams: dict[int, Any] = {}
         self.failed: set[int] = set()
-        self.meter = TaskMeter(spec.key, self.backend.name, rt, spec.in_flight)  # fine metrics
+        self.fallbacks = 0
+        self.ring_full = 0
+        self.meter = TaskMeter(spec.key, self.backend.name, rt, spec.in_flight)
 
-    # -- planning ---------------------------------------------------------------------
-    def _plan(self) -> tuple[dict[int, int | None], Plan]:
-        """The split axis of each array input (``None``: passed whole) and the plan."""
-        k = self.spec.split_axis
-        axes: dict[int, int | None] = {}
-        if k is None:
-            first = self.args[self.spec.array_positions[0]] if self.spec.array_positions else None
-            extent = first.shape[0] if first is not None and first.ndim else 1
-            return dict.fromkeys(self.spec.array_positions), Plan(
-                None, extent, plan_sub_chunks(extent, 0, 0, None).sub_chunks
-            )
-        # Dask aligns blocks by position, not shape: inputs may disagree along k. Only an
-        # extent of 1 broadcasts; any other mismatch cannot be cut into common sub-chunks.
-        extents: dict[int, int] = {}
-        for p in self.spec.array_positions:
-            a = self.args[p]
-            ax = k - (self.spec.ndim - a.ndim)
-            if ax >= 0 and a.shape[ax] != 1:
-                extents[p] = a.shape[ax]
-        if len(set(extents.values())) > 1:
-            found = ", ".join(f"arrays[{p}]: {e}" for p, e in extents.items())
-            raise ValueError(
-                f"split_axis={k} requires the array inputs to have the same extent along it "
-                f"(or 1, to broadcast); {self._where()} has extents {found}"
-            )
-        extent = next(iter(extents.values()), 1)
-        row_bytes = 0
-        for p in self.spec.array_positions:
-            a = self.args[p]
-            ax = k - (self.spec.ndim - a.ndim)
-            if ax < 0 or (a.shape[ax] == 1 and extent != 1):
-                axes[p] = None  # broadcast along the split axis: every sub-chunk gets it whole
-            else:
-                axes[p] = ax
-                if extent:
-                    row_bytes += a.nbytes // extent
-        if any(self.args[p].size == 0 for p in self.spec.array_positions):
-            row_bytes = 0  # nothing to pipeline: one sub-chunk
-        return axes, plan_sub_chunks(extent, row_bytes, self.spec.sub_chunk_bytes, k)
+    def _new_sub(self, i: int, pinned: list[bool]) -> _Sub:
+        inputs = self.lay.inputs(self.args, i)
+        is_device = self.backend.is_device
+        to_stage, h2d = [], 0
+        for x, x_pinned in zip(inputs, pinned, strict=True):
+            if is_device(x):
+                to_stage.append(False)
+                continue
+            h2d += x.nbytes
+            # Pinned and contiguous input is copied from directly.
+            to_stage.append(x.nbytes > 0 and not (x_pinned and x.flags.c_contiguous))
+        return _Sub(inputs, to_stage, h2d)
 
-    def _inputs(self, i: int) -> list[Any]:
-        sub = self.plan.sub_chunks[i]
-        out = []
-        for p in self.spec.array_positions:
-            a, ax = self.args[p], self.axes[p]
-            out.append(
-                a if ax is None or len(self.plan) == 1 else a[_along(ax, sub.start, sub.stop)]
-            )
-        return out
+    def _pinned_inputs(self) -> list[bool]:
+        """Per array argument, whether it is pinned host memory (slices of it are too, so
+        the question, a driver call on CUDA, is asked once per argument)."""
+        is_device, is_pinned = self.backend.is_device, self.backend.is_pinned
+        return [
+            not is_device(a) and a.nbytes > 0 and is_pinned(a)
+            for a in (self.args[p] for p in self.lay.axes)
+        ]
 
-    def _needs_staging(self, x: Any) -> bool:
-        return (
-            not self.backend.is_device(x)
-            and x.nbytes > 0
-            and (not x.flags.c_contiguous or not self.backend.is_pinned(x))
-        )
+    # -- the ring ---------------------------------------------------------------------
+    def _ring_need(self, i: int) -> int:
+        """Ring bytes sub-chunk ``i`` reserves: its staged inputs and its copied-out result."""
+        sub, charge = self.subs[i], self.pool.charge
+        need = sum(charge(x.nbytes) for x, s in zip(sub.inputs, sub.to_stage, strict=True) if s)
+        if self.spec.out == "host":  # ("pinned" results go to a block of their own)
+            out = self.lay.expected_out_bytes(i, self.spec.out_shape, self.spec.out_dtype)
+            # Unknown (an extent Dask does not know): as many bytes as came in.
+            out = sub.h2d_bytes if out is None else out
+            need += charge(out) if out else 0
+        return need
+
+    def _admit(self, i: int) -> bool:
+        """The engine's question: may sub-chunk ``i`` start now? Reserves its ring room."""
+        need = self._ring_need(i)
+        if need == 0:
+            return True
+        res = self.pool.reserve(need)
+        if res is None and need <= self.pool.ring_limit:
+            self.need = need  # it will fit once others give room back: wait for it
+            self.ring_full += 1
+            return False
+        # Larger than the ring is sure to have: taken when there is room, else it runs
+        # through pageable memory (counted), rather than wait for what may never come.
+        self.subs[i].res = res
+        return True
 
     # -- the driver loop --------------------------------------------------------------
     def run(self) -> Any:
@@ -187,43 +211,54 @@ class _PartitionRun:
 
     def _run(self) -> Any:
         counters = self.rt.counters
-        n = len(self.plan)
-        for i in range(n):
-            self.host_in[i] = self._inputs(i)
-            # Asked once per input: on CUDA it may be a driver call (pointerGetAttributes).
-            self.to_stage[i] = [self._needs_staging(x) for x in self.host_in[i]]
-        staged = [any(self.to_stage[i]) for i in range(n)]
-        pipe = Pipeline(n, self.spec.in_flight, staged, stream_ordered=True)
+        n = len(self.subs)
+        pipe = Pipeline(
+            n,
+            self.spec.in_flight,
+            staged=[any(s.to_stage) for s in self.subs],
+            unstaged=self.spec.out != "device",
+            admit=self._admit,
+        )
         counters.add(sub_chunks=n)
         in_flight = 0
         waited = 0.0
         try:
             actions = pipe.start()
             while True:
-                counters.add(in_flight=pipe.in_flight - in_flight)
-                in_flight = pipe.in_flight
+                if pipe.in_flight != in_flight:
+                    counters.add(in_flight=pipe.in_flight - in_flight)
+                    in_flight = pipe.in_flight
                 self._dispatch(actions)
                 if pipe.done:
                     break
                 blocked = pipe.blocked
                 t0 = time.perf_counter()
+                if pipe.stalled and not pipe.in_flight:
+                    # Nothing of ours is in flight, so nothing of ours holds ring room:
+                    # waiting for another partition to give some back cannot deadlock.
+                    self.pool.wait_for_room(self.need, _RING_POLL_SECONDS)
+                    waited += time.perf_counter() - t0
+                    actions = pipe.retry()
+                    continue
                 event = self.events.get()
                 dt = time.perf_counter() - t0
                 if blocked:
                     waited += dt
                 self.meter.waited(event.stage, dt, blocked)
-                if isinstance(event, Done) and event.stage == Stage.D2H:
-                    self._record(event.index)
-                    self._release(event.index)
+                if isinstance(event, Done):
+                    self._finished(event)
                 actions = pipe.handle(event)
         finally:
             counters.add(in_flight=-in_flight, backpressure_seconds=waited)
             counters.add_max(max_window=pipe.max_in_flight)
+            if self.fallbacks or self.ring_full:
+                counters.add(pinned_fallbacks=self.fallbacks, ring_full=self.ring_full)
+                self.meter.fallback(self.fallbacks)
             if pipe.error is not None or not pipe.done:
                 # Nothing is dropped before the streams are done with it.
                 self._wait_streams()
-                for i in list(self.host_in):
-                    self._release(i)
+                for i in range(n):
+                    self._drop(i)
                 self.out = None
         if pipe.error is not None:
             counters.add(partitions_failed=1)
@@ -232,7 +267,7 @@ class _PartitionRun:
                 # Say where and how much; the original stays as __cause__ (and in the text,
                 # since a cause does not travel with a pickled exception).
                 raise MemoryError(
-                    f"{self.spec.func_name} ran out of memory in {self._where()}: {oom} "
+                    f"{self.spec.func_name} ran out of memory in {self.where}: {oom} "
                     f"({type(pipe.error).__name__}: {pipe.error})"
                 ) from pipe.error
             raise pipe.error
@@ -242,257 +277,188 @@ class _PartitionRun:
         self.events.put(event)
 
     def _dispatch(self, actions: list[Action]) -> None:
-        # Copies first: every admitted sub-chunk's H2D is queued before any kernel is
-        # launched, so the copy engine starts while the host is still launching kernels.
-        # (The sort is stable, so each sub-chunk's own stages keep their order.)
-        for a in sorted(actions, key=lambda a: a.stage):
+        # H2D, COMPUTE and D2H of a sub-chunk come together (see the engine) and are
+        # enqueued as one: the H2D action starts them, the other two have nothing to do.
+        for a in actions:
             if a.index in self.failed:
                 continue  # an earlier stage of it failed; the engine has its Failed event
             try:
-                {
-                    Stage.STAGE: self._stage,
-                    Stage.H2D: self._copy_in,
-                    Stage.COMPUTE: self._compute,
-                    Stage.D2H: self._copy_out,
-                }[a.stage](a.index)
+                if a.stage == Stage.STAGE:
+                    self._stage(a.index)
+                elif a.stage == Stage.H2D:
+                    self._device(a.index)
+                elif a.stage == Stage.UNSTAGE:
+                    self._unstage(a.index)
             except Exception as e:
                 self.failed.add(a.index)
                 self._post(Failed(a.stage, a.index, e))
 
-    def _completion(self, stage: Stage, i: int, store: Callable[[Any], None] | None = None):
-        def on_done(result: Any, error: BaseException | None) -> None:
-            if result is _SKIPPED:
-                return
-            if error is not None:
-                # Marked before the event is posted: the stages of ``i`` already queued
-                # behind this one on its stream see it and do nothing.
-                self.failed.add(i)
-                self._post(Failed(stage, i, error))
-                return
-            if store is not None:
-                store(result)
-            self._post(Done(stage, i))
+    def _finished(self, event: Done) -> None:
+        """Let go of what the completed stage's copies read (see the module docstring)."""
+        i = event.index
+        sub = self.subs[i]
+        if event.stage == Stage.D2H:
+            self._resolve_marks(sub)
+            self.rt.release_stream(sub.stream)
+            self.rt.counters.add(bytes_h2d=sub.h2d_bytes, bytes_d2h=sub.d2h_bytes)
+            self._off_device(sub)
+            if self.spec.out == "device":
+                self._record(i)
+        elif event.stage == Stage.UNSTAGE:
+            self._record(i)
 
-        return on_done
-
-    # -- the four stages --------------------------------------------------------------
+    # -- the stages -------------------------------------------------------------------
     def _stage(self, i: int) -> None:
-        """Copy sub-chunk ``i``'s pageable inputs into pinned blocks.
-
-        The blocks are taken here, on the submitter's thread. The copies are cut into
-        pieces that the staging threads run in parallel (one thread's memcpy reaches a
-        third of what several reach), and the stage is done when the last piece is.
-        """
-        pool = self.backend.pinned
-        inputs = self.host_in[i]
-        held, pieces, staged_bytes, fallbacks = [], [], 0, 0
-        for j, x in enumerate(inputs):
-            if not self.to_stage[i][j]:
+        """Copy sub-chunk ``i``'s pageable inputs into its ring room, in parallel pieces."""
+        sub = self.subs[i]
+        copies = []
+        for j, x in enumerate(sub.inputs):
+            if not sub.to_stage[j]:
                 continue
-            block = pool.allocate(x.nbytes)
+            block = sub.res.take(x.nbytes) if sub.res is not None else None
             if block is None:
-                # Pool exhausted: copy straight from pageable memory, and say so.
-                fallbacks += 1
+                self.fallbacks += 1  # no room: copied straight from pageable memory
                 continue
             dst = block.view(x.dtype).reshape(x.shape)
-            held.append(block)
-            inputs[j] = dst  # read by the H2D, which runs only once this stage is done
-            staged_bytes += x.nbytes
-            pieces += _pieces(x, dst, self.rt.options.staging_threads)
-        self.held[i] = held
-        self.rt.counters.add(bytes_staged=staged_bytes, pinned_fallbacks=fallbacks)
-        self.meter.fallback(fallbacks)
+            sub.inputs[j] = dst  # read by the H2D, issued only once this stage is done
+            copies.append((x, dst))
+        nbytes = sum(src.nbytes for src, _ in copies)
+        self.rt.counters.add(bytes_staged=nbytes)
         t0 = time.time()
-        finish = self._completion(Stage.STAGE, i)
-        if not pieces or (len(self.plan) == 1 and staged_bytes <= _INLINE_STAGING):
-            # Nothing of this partition could overlap a small copy: stage it on this thread
-            # and spare two thread hand-offs (other partitions overlap on their own threads).
-            try:
-                for src, dst in pieces:
-                    self.backend.stage(src, dst)
-            except Exception as e:
-                finish(None, e)
-                return
-            self.spans[i] = [("stage", t0, time.time(), staged_bytes)]
-            finish(None, None)
-            return
-        left = [len(pieces)]
-        errors: list[BaseException] = []
-        lock = threading.Lock()
 
-        def piece_done(fut: Any) -> None:
-            with lock:
-                if fut.exception() is not None:
-                    errors.append(fut.exception())
-                left[0] -= 1
-                if left[0]:
-                    return
-            self.spans[i] = [("stage", t0, time.time(), staged_bytes)]
-            finish(None, errors[0] if errors else None)
-
-        for src, dst in pieces:
-            self.rt.staging.submit(self.backend.stage, src, dst).add_done_callback(piece_done)
-
-    # H2D, COMPUTE and D2H of a sub-chunk are queued on its stream together (the engine
-    # is stream-ordered), so each reads what the stage before it stored when it *runs*.
-    def _copy_in(self, i: int) -> None:
-        stream = self.streams[i] = self.rt.acquire_stream()
-        backend = self.backend
-
-        def work() -> list[Any]:
-            inputs = self.host_in[i]
-            moved = sum(x.nbytes for x in inputs if not backend.is_device(x))
-            with self._marked(i, "h2d", stream, moved):
-                # Device inputs go through copy_in too: it orders them on ``stream``.
-                copies = [backend.copy_in(stream, x) for x in inputs]
-            self.dev_bytes[i] = moved
-            self.rt.counters.add(bytes_h2d=moved, device_bytes_in_flight=moved)
-            return copies
-
-        stream.submit(work, self._completion(Stage.H2D, i, lambda r: self.dev_in.__setitem__(i, r)))
-
-    def _compute(self, i: int) -> None:
-        stream = self.streams[i]
-        kwargs = self.kwargs
-        if self.spec.block_info is not None:
-            kwargs = dict(kwargs, block_info=self._block_info(i))
-
-        def work() -> Any:
-            if i in self.failed:
-                return _SKIPPED
-            args = list(self.args)
-            for p, d in zip(self.spec.array_positions, self.dev_in[i], strict=True):
-                args[p] = d
-            with self._marked(i, "compute", stream, self.dev_bytes.get(i, 0)):
-                return self.backend.compute(stream, self.func, args, kwargs)
-
-        stream.submit(
-            work, self._completion(Stage.COMPUTE, i, lambda r: self.dev_out.__setitem__(i, r))
-        )
-
-    def _copy_out(self, i: int) -> None:
-        stream = self.streams[i]
-        counters = self.rt.counters
-
-        def work() -> Any:
-            if i in self.failed:
-                return _SKIPPED
-            result, dest = self._check_result(i, stream)
-            if self.spec.out == "device":
-                if dest is not None:  # one sub-chunk's slice of the partition's output
-                    self.backend.wait(stream, self.out_ready)
-                    self.backend.place(stream, result, dest)
-                return None
-            with self._marked(i, "d2h", stream, result.nbytes):
-                self.backend.copy_out(stream, result, dest)
-            counters.add(bytes_d2h=result.nbytes)
-            return None
-
-        def on_done(result: Any, error: BaseException | None) -> None:
-            if result is _SKIPPED:
-                return
+        def done(error: BaseException | None) -> None:
             if error is not None:
                 self.failed.add(i)
-                self._post(Failed(Stage.D2H, i, error))
+                self._post(Failed(Stage.STAGE, i, error))
+                return
+            sub.spans.append(("stage", t0, time.time(), nbytes))
+            self._post(Done(Stage.STAGE, i))
+
+        self.rt.copies.copy(copies, self.backend.stage, done)
+
+    def _device(self, i: int) -> None:
+        """H2D, COMPUTE and D2H of sub-chunk ``i``, enqueued together on one stream."""
+        sub = self.subs[i]
+        rt, backend = self.rt, self.backend
+        stream = sub.stream = rt.acquire_stream()
+        self.used_streams[id(stream)] = stream
+        rt.counters.add(device_bytes_in_flight=sub.h2d_bytes)
+        sub.on_device = True
+        kwargs = self.kwargs
+        if self.spec.block_info is not None:
+            kwargs = dict(kwargs, block_info=self.lay.block_info(self.spec.block_info, i))
+        mark = backend.mark
+
+        def work() -> None:
+            with nvtx_range(backend.name, self.spec.key, i, "device"):
+                marks = [mark(stream)]
+                dev = [backend.copy_in(stream, x) for x in sub.inputs]
+                marks.append(mark(stream))
+                sub.stage_now = Stage.COMPUTE
+                args = list(self.args)
+                for p, d in zip(self.lay.axes, dev, strict=True):
+                    args[p] = d
+                raw = backend.compute(stream, self.func, args, kwargs)
+                sub.device = (dev, raw)  # held until the D2H has completed
+                marks.append(mark(stream))
+                sub.stage_now = Stage.D2H
+                self._copy_out(i, sub, raw, stream)
+                marks.append(mark(stream))
+                sub.marks = marks
+
+        def completed(error: BaseException | None) -> None:
+            self._post(Failed(Stage.D2H, i, error) if error else Done(Stage.D2H, i))
+
+        def issued(_: Any, error: BaseException | None) -> None:
+            if error is not None:
+                self.failed.add(i)
+                self._post(Failed(sub.stage_now, i, error))
             else:
-                stream.on_complete(lambda: self._post(Done(Stage.D2H, i)))
+                stream.on_complete(completed)
 
-        stream.submit(work, on_done)
+        stream.submit(work, issued)
 
-    @contextlib.contextmanager
-    def _marked(self, i: int, stage: str, stream: Any, nbytes: int) -> Iterator[None]:
-        """Mark the start and end of an operation in ``stream``'s order (see _record)."""
-        start = self.backend.mark(stream)
-        with nvtx_range(self.backend.name, self.spec.key, i, stage):
-            yield
-        self.marks.setdefault(i, []).append((stage, start, self.backend.mark(stream), nbytes))
-
-    def _record(self, i: int) -> None:
-        """Hand sub-chunk ``i``'s stage spans to the runtime; its stream work has completed."""
-        marks = self.marks.pop(i, [])
-        times = self.backend.resolve([m for _, a, b, _ in marks for m in (a, b)])
-        spans = self.spans.pop(i, [])
-        spans += [(st, times[2 * k], times[2 * k + 1], n) for k, (st, _, _, n) in enumerate(marks)]
-        stream = self.streams.get(i)
-        self.rt.record_spans(self.spec.key, i, stream, spans)
-        self.meter.spans(spans)
-
-    # -- results, output and buffers ---------------------------------------------------
-    def _where(self) -> str:
-        return f"partition {self.spec.key!r}"
-
-    def _check_result(self, i: int, stream: Any) -> tuple[Any, Any]:
-        """The validated device result of sub-chunk ``i`` and where in the output it goes.
-
-        Called in ``stream``'s order. With ``out="device"`` and one sub-chunk, the result
-        is the output itself, and the destination ``None``.
-        """
-        raw = self.dev_out[i]
+    def _copy_out(self, i: int, sub: _Sub, raw: Any, stream: Any) -> None:
+        """Validate ``func``'s result and enqueue its copy out (in ``stream``'s order)."""
         result = self.backend.as_result(raw)
         if result is None:
-            raise TypeError(
-                f"{self.spec.func_name} must return an array, got {type(raw).__name__} "
-                f"for {self._where()}"
+            raise not_an_array(self.spec.func_name, raw, self.where)
+        sub.device = (sub.device[0], result)
+        spec = self.spec
+        plan_sub = self.lay.plan.sub_chunks[i]
+        if spec.out_split_axis is not None:
+            check_split_extent(
+                spec.func_name, spec.split_axis, spec.out_split_axis, result, plan_sub, self.where
             )
-        self.dev_out[i] = result
-        ax = self.spec.out_split_axis
-        sub = self.plan.sub_chunks[i]
-        if ax is not None:
-            got = result.shape[ax] if result.ndim > ax else None
-            if got != sub.extent:
-                raise ValueError(
-                    f"split_axis={self.spec.split_axis} requires {self.spec.func_name} to keep "
-                    f"the extent of output axis {ax}: sub-chunk rows [{sub.start}:{sub.stop}] "
-                    f"of {self._where()} gave an output of shape {tuple(result.shape)}, "
-                    f"expected extent {sub.extent} along axis {ax}"
-                )
-        with self._out_lock:
-            if self.out is None:
-                shape = list(result.shape)
-                if ax is not None and len(self.plan) > 1:
-                    shape[ax] = self.plan.extent
-                self._check_declared(tuple(shape), result.dtype)
-                if self.spec.out == "device" and len(self.plan) == 1:
-                    self.out = result
-                    return result, None
-                self.out = self._allocate_output(tuple(shape), result.dtype, stream)
-                return result, self._dest(i)
-        expected = list(self.out.shape)
-        got_shape = list(result.shape)
-        if ax is not None and len(self.plan) > 1:
-            expected[ax] = got_shape[ax] = sub.extent
-        if result.dtype != self.out.dtype or got_shape != expected:
-            raise ValueError(
-                f"{self.spec.func_name} returned dtype {result.dtype} and shape "
-                f"{tuple(result.shape)} for sub-chunk rows [{sub.start}:{sub.stop}] of "
-                f"{self._where()}, but another sub-chunk gave dtype {self.out.dtype} "
-                f"and shape {tuple(expected)}"
-            )
-        return result, self._dest(i)
-
-    def _check_declared(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        """The output block must be what the dask array says it is, or Dask's array lies."""
-        want_shape, want_dtype = self.spec.out_shape, self.spec.out_dtype
-        dtype_ok = want_dtype is None or np.dtype(dtype) == np.dtype(want_dtype)
-        shape_ok = want_shape is None or (
-            len(shape) == len(want_shape)
-            and all(w is None or w == g for w, g in zip(want_shape, shape, strict=True))
-        )
-        if dtype_ok and shape_ok:
+        dest = self._output_for(i, result, stream)
+        if spec.out == "device":
+            if dest is not None:  # one sub-chunk's slice of the partition's output
+                self.backend.wait(stream, self.out_ready)
+                self.backend.place(stream, result, dest)
             return
-        shown = "?" if want_shape is None else tuple("?" if w is None else w for w in want_shape)
-        raise ValueError(
-            f"{self.spec.func_name} returned dtype {np.dtype(dtype)} and shape {shape} for "
-            f"{self._where()}, but the output array declares dtype "
-            f"{'?' if want_dtype is None else np.dtype(want_dtype)} and shape {shown} for "
-            "this block: pass dtype= and chunks= (or meta=) to map_blocks as func returns them"
-        )
+        target = dest
+        if dest.nbytes and not self.pool.owns(dest):
+            # Into the ring first, then unstaged into ``dest`` by the copy threads: a
+            # copy from the device into fresh pageable memory is the naive path's slowest.
+            block = sub.res.take(result.nbytes) if sub.res is not None else None
+            if block is None:
+                self.fallbacks += 1
+            else:
+                target = sub.ring_out = block.view(result.dtype).reshape(result.shape)
+                sub.dest = dest
+        if sub.res is not None:
+            sub.res.close()  # room reserved but not needed (e.g. a pinned result)
+        self.backend.copy_out(stream, result, target)
+        sub.d2h_bytes = result.nbytes
 
-    def _dest(self, i: int) -> Any:
-        if len(self.plan) == 1:
-            return self.out
-        sub = self.plan.sub_chunks[i]
-        return self.out[_along(self.spec.out_split_axis, sub.start, sub.stop)]
+    def _unstage(self, i: int) -> None:
+        """Copy sub-chunk ``i``'s result out of the ring into the partition's result."""
+        sub = self.subs[i]
+        if sub.ring_out is None:  # it went straight into the result
+            self._post(Done(Stage.UNSTAGE, i))
+            return
+        nbytes = sub.ring_out.nbytes
+        t0 = time.time()
+
+        def done(error: BaseException | None) -> None:
+            if error is not None:
+                self.failed.add(i)
+                self._post(Failed(Stage.UNSTAGE, i, error))
+                return
+            sub.spans.append(("unstage", t0, time.time(), nbytes))
+            self.rt.counters.add(bytes_unstaged=nbytes)
+            self._post(Done(Stage.UNSTAGE, i))
+
+        self.rt.copies.copy([(sub.ring_out, sub.dest)], self.backend.unstage, done)
+
+    # -- results, output and buffers ---------------------------------------------------
+    def _output_for(self, i: int, result: Any, stream: Any) -> Any:
+        """Where sub-chunk ``i``'s result goes in the partition's output, made on first use.
+
+        With ``out="device"`` and one sub-chunk the result is the output itself: ``None``.
+        """
+        spec = self.spec
+        with self._out_lock:
+            if self.out is not None:
+                check_like_first(
+                    spec.func_name,
+                    result,
+                    self.out,
+                    spec.out_split_axis,
+                    self.lay.plan.sub_chunks[i],
+                    self.split,
+                    self.where,
+                )
+                return self.lay.out_slice(self.out, i)
+            shape = self.lay.out_shape(result.shape)
+            check_declared(
+                spec.func_name, shape, result.dtype, spec.out_shape, spec.out_dtype, self.where
+            )
+            if spec.out == "device" and not self.split:
+                self.out = result
+                return None
+            self.out = self._allocate_output(shape, result.dtype, stream)
+            return self.lay.out_slice(self.out, i)
 
     def _allocate_output(self, shape: tuple[int, ...], dtype: np.dtype, stream: Any) -> Any:
         if self.spec.out == "device":
@@ -500,55 +466,55 @@ class _PartitionRun:
             # The other sub-chunks write into it from their own streams, after this mark.
             self.out_ready = self.backend.mark(stream)
             return out
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if nbytes == 0:
-            return np.empty(shape, dtype)
-        block = self.backend.pinned.allocate(nbytes)
-        if block is None:
-            self.rt.counters.add(pinned_fallbacks=1)
-            self.meter.fallback(1)
-            return np.empty(shape, dtype)
-        return block.view(dtype).reshape(shape)
+        if self.spec.out == "pinned":
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            block = self.pool.allocate(nbytes) if nbytes else None
+            if block is not None:
+                return block.view(dtype).reshape(shape)
+            if nbytes:
+                self.fallbacks += 1  # past the pool's bound for held results
+        # Untouched until the copy threads write it: they fault its pages in, in parallel.
+        return np.empty(shape, dtype)
 
-    def _release(self, i: int) -> None:
-        stream = self.streams.pop(i, None)
-        if stream is not None:
-            self.rt.release_stream(stream)
-        self.host_in.pop(i, None)
-        self.to_stage.pop(i, None)
-        self.held.pop(i, None)
-        self.dev_in.pop(i, None)
-        self.dev_out.pop(i, None)
-        moved = self.dev_bytes.pop(i, 0)
-        if moved:
-            self.rt.counters.add(device_bytes_in_flight=-moved)
+    def _resolve_marks(self, sub: _Sub) -> None:
+        """Turn the completed sub-chunk's stream marks into spans."""
+        if len(sub.marks) != 4:
+            return
+        t = self.backend.resolve(sub.marks)
+        sub.spans += [
+            ("h2d", t[0], t[1], sub.h2d_bytes),
+            ("compute", t[1], t[2], sub.h2d_bytes),
+            ("d2h", t[2], t[3], sub.d2h_bytes),
+        ]
+        sub.marks = []
+
+    def _record(self, i: int) -> None:
+        """Hand sub-chunk ``i``'s spans to the runtime and the meter; let go of it."""
+        sub = self.subs[i]
+        self.rt.record_spans(self.spec.key, i, sub.stream, sub.spans)
+        self.meter.spans(sub.spans)
+        self._drop(i)
+
+    def _off_device(self, sub: _Sub) -> None:
+        """Let go of the device buffers and staged inputs (their copies have completed)."""
+        if sub.on_device:
+            sub.on_device = False
+            self.rt.counters.add(device_bytes_in_flight=-sub.h2d_bytes)
+        sub.device = sub.inputs = None
+
+    def _drop(self, i: int) -> None:
+        sub = self.subs[i]
+        self._off_device(sub)
+        if sub.res is not None:
+            sub.res.close()
+        sub.res = sub.ring_out = sub.dest = None
+        sub.spans = []
 
     def _wait_streams(self) -> None:
         """Block until all work this partition put on its streams has completed."""
-        used = {id(s): s for s in self.streams.values()}.values()
+        used = list(self.used_streams.values())
         done = threading.Semaphore(0)
         for s in used:
-            s.on_complete(done.release)
+            s.on_complete(lambda _error: done.release())
         for _ in used:
             done.acquire()
-
-    def _block_info(self, i: int) -> dict:
-        """The partition's ``block_info``, narrowed to sub-chunk ``i``."""
-        info = self.spec.block_info
-        if len(self.plan) == 1 or info is None:
-            return info
-        sub = self.plan.sub_chunks[i]
-        info = copy.deepcopy(info)
-        for p in self.spec.array_positions:
-            ax = self.axes[p]
-            if ax is not None and p in info:
-                lo, _ = info[p]["array-location"][ax]
-                info[p]["array-location"][ax] = (lo + sub.start, lo + sub.stop)
-        ax = self.spec.out_split_axis
-        if None in info and ax is not None:
-            lo, _ = info[None]["array-location"][ax]
-            info[None]["array-location"][ax] = (lo + sub.start, lo + sub.stop)
-            shape = list(info[None]["chunk-shape"])
-            shape[ax] = sub.extent
-            info[None]["chunk-shape"] = tuple(shape)
-        return info

@@ -1,8 +1,9 @@
 """The worker plugin: each distributed worker's runtime, built in ``setup``, closed in ``teardown``.
 
 A partition task finds its worker's runtime through :func:`worker_runtime` (called by
-:func:`~dask_overlap.get_runtime`), so every partition a worker runs shares that worker's
-streams and pools, and the pools' bounds hold for the whole worker. Where there is no
+:func:`~dask_overlap.get_runtime`, in :mod:`dask_overlap.current`), so every partition a
+worker runs shares that worker's streams and pools, and the pools' bounds hold for the
+whole worker. Where there is no
 distributed worker (the threaded scheduler) tasks use the per-process runtime instead.
 """
 

@@ -1,29 +1,33 @@
 """The runtime: one per process and backend, owner of every pool.
 
 It owns the backend (and through it the pinned and device pools), the stream pool, the
-staging threads and the counters. Partition tasks share it, so the bounds of its pools
-hold for the whole process however many partitions run at once. It is created on first
-use (nothing touches a GPU before a task runs) and closed by :func:`close_runtimes`, at
-interpreter exit, or by the worker plugin's teardown.
+copy threads (staging in, unstaging out) and the counters. Partition tasks share it, so
+the bounds of its pools hold for the whole process however many partitions run at once.
+It is created on first use (nothing touches a GPU before a task runs) and closed by
+:func:`close_runtimes`, at interpreter exit, or by the worker plugin's teardown.
+
+This module knows neither the partition runner nor the worker plugin: they use it.
+:func:`process_runtime` is the per-process runtime of a backend; which runtime serves a
+task (a worker plugin's, or this one) is :mod:`dask_overlap.current`'s question.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
-import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from .backends import Backend, Stream, make_backend, resolve_backend
 from .config import Options
+from .copies import Copier, auto_threads
 from .stats import Counters
 
-__all__ = ["Runtime", "Span", "close_runtimes", "get_runtime", "runtime_stats"]
+__all__ = ["Runtime", "Span", "close_runtimes", "idle_stats", "process_runtime", "process_runtimes"]
 
 TIMELINE_LENGTH = 20_000
+HOST_STAGES = ("stage", "unstage")  # run by the copy threads, not on a stream
 CLOSE_DRAIN_SECONDS = 30.0  # how long close() waits for partitions still running
 
 
@@ -32,7 +36,7 @@ class Span(NamedTuple):
 
     key: tuple
     sub_chunk: int
-    stream: int  # index in the runtime's stream pool; -1 for staging threads
+    stream: int  # index in the runtime's stream pool; -1 for the copy threads
     stage: str
     start: float
     end: float
@@ -55,9 +59,9 @@ class Runtime:
         self.streams: list[Stream] = [
             self.backend.make_stream() for _ in range(self.options.streams)
         ]
-        self.staging = ThreadPoolExecutor(
-            self.options.staging_threads, thread_name_prefix=f"overlap-{self.name}-staging"
-        )
+        threads = self.options.staging_threads
+        self.copy_threads = auto_threads() if threads == "auto" else int(threads)
+        self.copies = Copier(self.copy_threads, f"overlap-{self.name}-copy")
         self.counters = Counters()
         # Sub-chunks currently holding each stream: a stream is in-order, so a sub-chunk
         # queued behind another's copy waits even when its own engine is idle. Leasing the
@@ -85,7 +89,7 @@ class Runtime:
             self._leases[self._index[id(stream)]] -= 1
 
     def stream_index(self, stream: Stream | None) -> int:
-        """``stream``'s place in the pool; -1 for ``None`` (staging threads)."""
+        """``stream``'s place in the pool; -1 for ``None`` (the copy threads)."""
         return self._index.get(id(stream), -1)
 
     def record_spans(
@@ -98,7 +102,7 @@ class Runtime:
         """Keep one sub-chunk's stage spans (stage, start, end, bytes; ``time.time()``)."""
         j = self.stream_index(stream)
         for stage, start, end, nbytes in spans:
-            where = -1 if stage == "stage" else j
+            where = -1 if stage in HOST_STAGES else j
             self.timeline.append(Span(key, sub, where, stage, start, end, nbytes))
             self.counters.add_busy(stage, max(0.0, end - start))
 
@@ -110,18 +114,15 @@ class Runtime:
         out.update(
             backend=self.name,
             pinned_bytes_in_use=pool.in_use,
+            pinned_bytes_held=pool.held,
             pinned_bytes_peak=pool.peak,
             pinned_pool_size=pool.limit,
+            ring_waits=pool.waits,
             device_bytes_in_use=(out["device_bytes_in_flight"] if device is None else device),
             streams=len(self.streams),
-            staging_threads=self.options.staging_threads,
+            staging_threads=self.copy_threads,
         )
         return out
-
-    def run_partition(self, *args: Any, **kwargs: Any) -> Any:
-        from .partition import run_partition
-
-        return run_partition(self, *args, **kwargs)
 
     def close(self, timeout: float = CLOSE_DRAIN_SECONDS) -> None:
         """Stop the threads and release the pools, once running partitions are done. Idempotent.
@@ -139,7 +140,7 @@ class Runtime:
         deadline = time.monotonic() + timeout
         while self.counters.partitions_active and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.staging.shutdown(wait=True)
+        self.copies.close()
         for s in self.streams:
             s.close()
         self.backend.close()
@@ -149,26 +150,9 @@ _runtimes: dict[str, Runtime] = {}
 _runtimes_lock = threading.Lock()
 
 
-def _plugin_runtime(backend: str | None) -> Runtime | None:
-    # A worker, and so a plugin, exists only where distributed is imported: the threaded
-    # scheduler does not pay for importing it.
-    if "distributed" not in sys.modules:
-        return None
-    from .plugin import worker_runtime
-
-    return worker_runtime(backend)
-
-
-def get_runtime(backend: str | None = None) -> Runtime:
-    """This process's runtime for ``backend`` (default: ``overlap.backend``), made on first use.
-
-    On a distributed worker with an :class:`~dask_overlap.OverlapPlugin`, the plugin's
-    runtime instead, when ``backend`` is ``None``, ``"auto"`` or the plugin's backend.
-    """
-    rt = _plugin_runtime(backend)
-    if rt is not None:
-        return rt
-    name = resolve_backend(backend if backend is not None else Options.from_config().backend)
+def process_runtime(backend: str) -> Runtime:
+    """This process's own runtime for ``backend`` (resolved, not ``auto``), made on first use."""
+    name = resolve_backend(backend)
     with _runtimes_lock:
         rt = _runtimes.get(name)
         if rt is None or rt.closed:
@@ -176,41 +160,21 @@ def get_runtime(backend: str | None = None) -> Runtime:
         return rt
 
 
-def runtime_stats(backend: str | None = None) -> dict[str, Any]:
-    """Counters and pool occupancy of this process's runtime.
-
-    With no argument: the runtime of ``overlap.backend`` if it exists, else the only one
-    that exists. Includes ``backend``, ``partitions``, ``sub_chunks``, ``bytes_h2d``,
-    ``bytes_d2h``, ``in_flight``, ``pinned_bytes_in_use``, ``device_bytes_in_use``,
-    ``pinned_fallbacks`` and ``backpressure_seconds``. Zeros when no runtime exists yet.
-    On a worker with an :class:`~dask_overlap.OverlapPlugin`, the plugin's runtime.
-
-    Examples
-    --------
-    >>> import dask_overlap
-    >>> dask_overlap.runtime_stats()["in_flight"]
-    0
-    """
-    plugin_rt = _plugin_runtime(backend)
-    if plugin_rt is not None:
-        return plugin_rt.stats()
+def process_runtimes() -> dict[str, Runtime]:
+    """This process's own runtimes that exist now, by backend name."""
     with _runtimes_lock:
-        if backend is not None:
-            rt = _runtimes.get(resolve_backend(backend))
-        else:
-            configured = Options.from_config().backend
-            rt = _runtimes.get(configured) if configured != "auto" else None
-            if rt is None and len(_runtimes) == 1:
-                rt = next(iter(_runtimes.values()))
-            elif rt is None and configured == "auto":
-                rt = _runtimes.get(resolve_backend("auto"))
-    if rt is not None:
-        return rt.stats()
+        return dict(_runtimes)
+
+
+def idle_stats(backend: str) -> dict[str, Any]:
+    """What :meth:`Runtime.stats` says of a runtime that has done nothing yet."""
     out = Counters().snapshot()
     out.update(
-        backend=resolve_backend(backend or Options.from_config().backend),
+        backend=backend,
         pinned_bytes_in_use=0,
+        pinned_bytes_held=0,
         pinned_bytes_peak=0,
+        ring_waits=0,
         device_bytes_in_use=0,
     )
     return out

@@ -20,10 +20,12 @@ class Counters:
     bytes_staged: int = 0
     bytes_h2d: int = 0
     bytes_d2h: int = 0
+    bytes_unstaged: int = 0
     in_flight: int = 0
     max_in_flight: int = 0
     max_window: int = 0
     pinned_fallbacks: int = 0
+    ring_full: int = 0  # admissions the pinned ring refused for want of room (then waited)
     device_bytes_in_flight: int = 0
     backpressure_seconds: float = 0.0
     busy_seconds: dict[str, float] = dataclasses.field(default_factory=dict)

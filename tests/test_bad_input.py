@@ -112,8 +112,10 @@ def test_sub_chunk_bytes_not_positive(x, value):
 
 
 @pytest.mark.parametrize("value", ["gpu", "HOST", None, 1])
-def test_out_not_host_or_device(x, value):
-    with raises_at_construction(ValueError, "out must be 'host' or 'device'", repr(value)):
+def test_out_not_one_of_the_modes(x, value):
+    with raises_at_construction(
+        ValueError, "out must be one of 'host', 'pinned', 'device'", repr(value)
+    ):
         dask_overlap.map_blocks(identity, x, out=value)
     assert_no_task_ran()
 

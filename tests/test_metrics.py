@@ -19,9 +19,16 @@ import dask_overlap
 from dask_overlap import metrics
 from dask_overlap.metrics import TaskMeter, busy_unit, snapshot, worker_metrics
 
-STAGE_LABELS = ("overlap-staging", "overlap-h2d", "overlap-compute", "overlap-d2h")
-# A pinned pool smaller than one partition's output: every output falls back (counted),
-# while the 16 KiB staging buffers still fit.
+STAGE_LABELS = (
+    "overlap-staging",
+    "overlap-h2d",
+    "overlap-compute",
+    "overlap-d2h",
+    "overlap-unstaging",
+)
+# Half of this pool (what pinned results may keep) is smaller than one partition's output:
+# with out="pinned" every output falls back to an ordinary array (counted), while the
+# ring's half still holds a 16 KiB sub-chunk's way in and out.
 PLUGIN = dict(backend="host", pinned_pool_size="64KiB", in_flight=2, streams=2)
 
 
@@ -156,7 +163,7 @@ def run() -> Iterator[dict[str, Any]]:
         dask_overlap.register(client, **PLUGIN)
         # Persisted first, so that the partition tasks are not fused with the input's.
         x = da.random.random((2000, 64), chunks=(250, 64)).persist()
-        y = dask_overlap.map_blocks(double, x, split_axis=0, sub_chunk_bytes="16KiB")
+        y = dask_overlap.map_blocks(double, x, split_axis=0, sub_chunk_bytes="16KiB", out="pinned")
         with span("overlap-metrics-test") as span_id:
             y = y.persist()
             wait(y)

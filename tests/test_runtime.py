@@ -70,12 +70,30 @@ def test_counts_accumulate_over_runs():
         assert stats["bytes_h2d"] == a.nbytes * n
 
 
-def test_outputs_stay_pinned_while_held_and_return_when_released():
+def test_results_are_ordinary_arrays_filled_from_the_ring():
     a, x = data()
     (y,) = dask.persist(dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=80))
     stats = wait_until_idle()
+    pool = dask_overlap.get_runtime().backend.pinned
+    chunks = [np.asarray(c) for c in y.__dask_graph__().values()]
+    # Dask holds ordinary NumPy arrays: nothing of the pool is kept
+    assert all(type(c) is np.ndarray and not pool.owns(c) for c in chunks)
+    assert stats["pinned_bytes_in_use"] == 0 and stats["pinned_bytes_held"] == 0
+    # every byte went through the ring: staged in, copied out, unstaged
+    assert stats["bytes_staged"] == stats["bytes_d2h"] == stats["bytes_unstaged"] == a.nbytes
+    assert stats["pinned_fallbacks"] == 0
+    assert 0 < stats["pinned_bytes_peak"] <= stats["pinned_pool_size"]
+    np.testing.assert_array_equal(y.compute(), -a)
+
+
+def test_pinned_outputs_stay_pinned_while_held_and_return_when_released():
+    a, x = data()
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=80, out="pinned")
+    (y,) = dask.persist(y)
+    stats = wait_until_idle()
     # the outputs are handed to Dask as pinned blocks, without a copy
-    assert stats["pinned_bytes_in_use"] == a.nbytes
+    assert stats["pinned_bytes_in_use"] == stats["pinned_bytes_held"] == a.nbytes
+    assert stats["bytes_unstaged"] == 0
     assert stats["device_bytes_in_use"] == 0
     assert stats["in_flight"] == 0
     np.testing.assert_array_equal(y.compute(), -a)
@@ -85,9 +103,21 @@ def test_outputs_stay_pinned_while_held_and_return_when_released():
     assert stats["device_bytes_in_use"] == 0
 
 
+def test_pinned_outputs_past_half_the_pool_are_ordinary_arrays():
+    a, x = data()  # three outputs of 640 bytes; half of a 2,600-byte pool holds two
+    with dask.config.set({"overlap.pinned-pool-size": 2600}):
+        y = dask_overlap.map_blocks(np.negative, x, out="pinned")
+        (y,) = dask.persist(y, scheduler="sync")  # one at a time: the ring is never in the way
+        stats = wait_until_idle()
+        assert stats["pinned_bytes_held"] == 2 * 640 <= stats["pinned_pool_size"] // 2
+        assert stats["pinned_fallbacks"] == 1
+        np.testing.assert_array_equal(y.compute(), -a)
+
+
 def test_pinned_input_is_not_staged_again():
     a, x = data()
-    (y,) = dask.persist(dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=80))
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=80, out="pinned")
+    (y,) = dask.persist(y)
     before = wait_until_idle()
     z = dask_overlap.map_blocks(np.negative, y, split_axis=0, sub_chunk_bytes=80)
     np.testing.assert_array_equal(z.compute(), a)
@@ -96,30 +126,35 @@ def test_pinned_input_is_not_staged_again():
     assert after["bytes_staged"] == before["bytes_staged"]  # straight from pinned memory
 
 
-@pytest.mark.parametrize("pool", [0, 100, 700])
-def test_pinned_pool_smaller_than_an_output_falls_back(pool):
-    a, x = data()  # each output block is 640 bytes
+@pytest.mark.parametrize("pool", [0, 100])
+def test_pinned_pool_smaller_than_a_sub_chunk_falls_back(pool):
+    """Not even one sub-chunk's ring room (80 bytes in, 80 out) fits: every buffer goes
+    through ordinary memory, counted, and the result is still right."""
+    a, x = data()
     with dask.config.set({"overlap.pinned-pool-size": pool}):
         y = dask_overlap.map_blocks(lambda b: b + 1, x, split_axis=0, sub_chunk_bytes=80)
         np.testing.assert_array_equal(y.compute(), a + 1)
     stats = wait_until_idle()
     assert stats["pinned_pool_size"] == pool
-    assert stats["pinned_fallbacks"] > 0
+    assert stats["pinned_fallbacks"] == 24 + 24  # each sub-chunk's input and output
+    assert stats["bytes_staged"] == stats["bytes_unstaged"] == 0
     assert stats["pinned_bytes_peak"] <= pool
     assert stats["pinned_bytes_in_use"] == 0
-    if pool < 80:  # not even one sub-chunk's staging buffer fits: everything fell back
-        assert stats["pinned_fallbacks"] == 24 + 3
-        assert stats["bytes_staged"] == 0
 
 
-def test_pinned_pool_large_enough_has_no_fallback():
+@pytest.mark.parametrize("pool", [700, "1MiB"])
+def test_pinned_pool_smaller_than_the_result_waits_instead_of_falling_back(pool):
+    """A ring smaller than a partition (640 bytes out) still takes every byte: sub-chunks
+    wait for room instead of copying through ordinary memory."""
     a, x = data()
-    with dask.config.set({"overlap.pinned-pool-size": "1MiB"}):
+    with dask.config.set({"overlap.pinned-pool-size": pool, "num_workers": 3}):
         y = dask_overlap.map_blocks(lambda b: b + 1, x, split_axis=0, sub_chunk_bytes=80)
         np.testing.assert_array_equal(y.compute(), a + 1)
     stats = wait_until_idle()
     assert stats["pinned_fallbacks"] == 0
-    assert 0 < stats["pinned_bytes_peak"] <= 2**20
+    assert stats["bytes_staged"] == stats["bytes_unstaged"] == a.nbytes
+    assert 0 < stats["pinned_bytes_peak"] <= stats["pinned_pool_size"]
+    assert stats["pinned_bytes_in_use"] == 0
 
 
 def test_runtime_is_per_process_and_built_from_config():
@@ -190,8 +225,8 @@ def test_auto_runs_on_the_host_backend_without_a_gpu(monkeypatch):
         assert dask_overlap.runtime_stats()["backend"] == "host"
 
 
-def test_large_staging_is_cut_into_pieces_for_the_staging_threads(monkeypatch):
-    """A sub-chunk of 16 MiB is staged as four 4 MiB pieces, on the staging threads."""
+def test_large_staging_is_cut_into_pieces_for_the_copy_threads(monkeypatch):
+    """A sub-chunk of 16 MiB is staged as four 4 MiB pieces, on the copy threads."""
     from dask_overlap.backends.host import HostBackend
 
     seen: list[tuple[int, str]] = []
@@ -210,7 +245,7 @@ def test_large_staging_is_cut_into_pieces_for_the_staging_threads(monkeypatch):
         y = dask_overlap.map_blocks(lambda b: b * 3, x, split_axis=0, sub_chunk_bytes="16MiB")
         np.testing.assert_array_equal(y.compute(), data * 3)
     assert sorted(n for n, _ in seen) == [4 << 20] * 4
-    assert all("staging" in name for _, name in seen)
+    assert all("copy" in name for _, name in seen)
     assert dask_overlap.runtime_stats()["bytes_staged"] == data.nbytes
 
 

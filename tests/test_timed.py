@@ -59,9 +59,13 @@ def persist_seconds(y: da.Array) -> tuple[float, da.Array]:
 
 def bound_seconds(rt, in_bytes: int, out_bytes: int) -> float:
     m = rt.backend.model
-    staging = in_bytes / (m.staging_bandwidth * rt.options.staging_threads)
+    # Staging in and unstaging out share the copy threads.
+    host_copies = (in_bytes + out_bytes) / (m.staging_bandwidth * rt.copy_threads)
     return max(
-        in_bytes / m.h2d_bandwidth, m.kernel_time(in_bytes), out_bytes / m.d2h_bandwidth, staging
+        in_bytes / m.h2d_bandwidth,
+        m.kernel_time(in_bytes),
+        out_bytes / m.d2h_bandwidth,
+        host_copies,
     )
 
 

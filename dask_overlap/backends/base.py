@@ -1,9 +1,10 @@
 """The backend interface: what the partition runner asks of a device, and nothing more.
 
 A backend provides ordered *streams* (a CUDA stream, or a thread standing in for one), a
-bounded *pinned host pool*, and four operations: ``stage`` (host copy into pinned memory),
-``copy_in``, ``compute`` and ``copy_out``. The runner calls ``copy_in``, ``compute`` and
-``copy_out`` only through :meth:`Stream.submit`, so they run in the stream's order.
+bounded *pinned host pool*, and five operations: ``stage`` (host copy into pinned memory),
+``copy_in``, ``compute``, ``copy_out`` and ``unstage`` (host copy out of pinned memory).
+The runner calls ``copy_in``, ``compute`` and ``copy_out`` only through
+:meth:`Stream.submit`, so they run in the stream's order.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Backend", "HostPool", "Stream", "requested_bytes"]
+__all__ = ["Backend", "HostPool", "Reservation", "Stream", "requested_bytes"]
 
 OnDone = Callable[[Any, "BaseException | None"], None]
 
@@ -32,11 +33,13 @@ class Stream(Protocol):
         is ordered after it. For the host stand-in ``fn`` runs on the stream's thread.
         """
 
-    def on_complete(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once all work submitted so far has *completed*.
+    def on_complete(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(error)`` once all work submitted so far has *completed*.
 
-        The callback may run on a foreign thread (a CUDA driver thread): it must only
-        hand the news on (put it in a queue), never touch the device or free memory.
+        ``error`` is ``None``, or the device error the stream's work ended with (a sticky
+        CUDA error): the work cannot be trusted, and the callback must say so. The
+        callback runs on another thread: it must only hand the news on (put it in a
+        queue), never touch the device or free memory.
         """
 
     def close(self) -> None:
@@ -62,7 +65,10 @@ class Backend(Protocol):
         """Whether host array ``x`` lives in pinned memory (no staging needed)."""
 
     def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Host copy of pageable ``src`` into pinned ``dst`` (runs on a staging thread)."""
+        """Host copy of pageable ``src`` into pinned ``dst`` (runs on a copy thread)."""
+
+    def unstage(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Host copy of pinned ``src`` into the result ``dst`` (runs on a copy thread)."""
 
     def copy_in(self, stream: Stream, host: np.ndarray) -> Any:
         """Device copy of ``host``; called in ``stream``'s order."""
@@ -128,49 +134,125 @@ def requested_bytes(error: BaseException) -> int | None:
 class HostPool:
     """A bounded pool of host buffers, handed out as ``uint8`` NumPy arrays.
 
-    ``allocate`` returns ``None`` when the bound would be exceeded (the caller falls back
-    to ordinary memory and counts it), so a full pool never blocks and never deadlocks.
-    A buffer returns to the pool when the last NumPy view of it is garbage collected,
-    which is how a pinned output handed to Dask stays alive exactly as long as Dask holds
-    it. Subclasses provide the memory itself in :meth:`_raw`.
+    The pool is the pipeline's *working set* (the pinned ring): every sub-chunk reserves
+    what it will stage in and copy out before it is admitted (:meth:`reserve`, which never
+    blocks), takes its buffers from that reservation, and gives them back when its
+    copies have completed. A partition that finds no room holds nothing while it waits
+    (:meth:`wait_for_room`), so waiting never deadlocks.
+
+    Blocks that somebody keeps (:meth:`allocate`: pinned *results* with ``out="pinned"``,
+    pinned input a user loads into the pool) are bounded by ``hold_limit``, half the pool,
+    so that they can never take the ring's other half: a reservation of at most
+    :attr:`ring_limit` bytes always fits once the other reservations are given back.
+
+    A buffer returns to the pool when the last NumPy view of it is garbage collected.
+    Subclasses provide the memory itself in :meth:`_raw`, and may round sizes up in
+    :meth:`charge` (what a block really takes from the pool).
     """
 
     def __init__(self, limit: int):
         self.limit = int(limit)
-        self._lock = threading.Lock()
-        self.in_use = 0
+        self.hold_limit = self.limit // 2
+        self._cond = threading.Condition(threading.Lock())
+        self.in_use = 0  # bytes charged: blocks handed out plus reservations not yet taken
+        self.held = 0  # bytes of kept blocks (allocate())
         self.peak = 0
         self.allocations = 0
+        self.waits = 0  # wait_for_room calls that had to wait
         # id(owner) -> owner, to recognise arrays that live in this pool
         self._owners: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
 
+    # -- what subclasses provide -----------------------------------------------------------
     def _raw(self, nbytes: int) -> tuple[np.ndarray, Callable[[], None] | None]:
         """A ``uint8`` array of ``nbytes`` and a function that gives its memory back."""
         return np.empty(nbytes, dtype=np.uint8), None
 
-    def allocate(self, nbytes: int) -> np.ndarray | None:
-        nbytes = int(nbytes)
-        with self._lock:
-            if self.in_use + nbytes > self.limit:
-                return None
-            self.in_use += nbytes
+    def charge(self, nbytes: int) -> int:
+        """The bytes a block of ``nbytes`` takes from the pool."""
+        return int(nbytes)
+
+    # -- the budget --------------------------------------------------------------------
+    def _try_charge(self, charged: int, held: bool = False) -> bool:
+        with self._cond:
+            if self.in_use + charged > self.limit or (
+                held and self.held + charged > self.hold_limit
+            ):
+                return False
+            self.in_use += charged
+            if held:
+                self.held += charged
             self.peak = max(self.peak, self.in_use)
-            self.allocations += 1
+            return True
+
+    def _uncharge(self, charged: int, held: bool = False) -> None:
+        if not charged:
+            return
+        with self._cond:
+            self.in_use -= charged
+            if held:
+                self.held -= charged
+            self._cond.notify_all()
+
+    def _block(self, nbytes: int, charged: int, held: bool) -> np.ndarray | None:
+        """A block for bytes already charged; on failure the charge is the caller's."""
         try:
             owner, give_back = self._raw(nbytes)
         except MemoryError:
-            with self._lock:
-                self.in_use -= nbytes
-            return None
+            return None  # out of memory (or fragmented): the caller falls back, counted
         self._owners[id(owner)] = owner
-        weakref.finalize(owner, self._release, nbytes, give_back)
+        weakref.finalize(owner, self._release, charged, held, give_back)
+        with self._cond:
+            self.allocations += 1
         return owner
 
-    def _release(self, nbytes: int, give_back: Callable[[], None] | None) -> None:
-        if give_back is not None:
-            give_back()
-        with self._lock:
-            self.in_use -= nbytes
+    def _release(self, charged: int, held: bool, give_back: Callable[[], None] | None) -> None:
+        try:
+            if give_back is not None:
+                give_back()
+        finally:
+            self._uncharge(charged, held)
+
+    def _take(self, nbytes: int, held: bool) -> np.ndarray | None:
+        charged = self.charge(nbytes)
+        if not self._try_charge(charged, held):
+            return None
+        block = None
+        try:
+            block = self._block(nbytes, charged, held)
+        finally:
+            if block is None:  # any failure, not only MemoryError, gives the bytes back
+                self._uncharge(charged, held)
+        return block
+
+    # -- the API -------------------------------------------------------------------------
+    @property
+    def ring_limit(self) -> int:
+        """The bytes the ring can always have: what kept blocks can never take."""
+        return self.limit - self.hold_limit
+
+    def allocate(self, nbytes: int) -> np.ndarray | None:
+        """A block to keep (a pinned result or input), or ``None`` when the pool, or its
+        ``hold_limit`` for kept blocks, has no room. Never waits."""
+        return self._take(nbytes, held=True)
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """``nbytes`` of room, charged now and taken later; ``None`` when there is none now."""
+        charged = self.charge(nbytes)
+        if not self._try_charge(charged):
+            return None
+        return Reservation(self, charged)
+
+    def wait_for_room(self, nbytes: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until ``nbytes`` would fit; whether they would.
+
+        Only a caller that holds nothing of the pool may wait (see the class docstring).
+        """
+        charged = self.charge(nbytes)
+        with self._cond:
+            if self.in_use + charged <= self.limit:
+                return True
+            self.waits += 1
+            return self._cond.wait_for(lambda: self.in_use + charged <= self.limit, timeout)
 
     def owns(self, x: np.ndarray) -> bool:
         """Whether ``x`` is (a view of) a buffer of this pool."""
@@ -183,3 +265,37 @@ class HostPool:
 
     def close(self) -> None:
         """Nothing to free eagerly: buffers go back as their views are collected."""
+
+
+class Reservation:
+    """Room in a :class:`HostPool`, charged up front and taken as blocks (one owner)."""
+
+    __slots__ = ("_pool", "left")
+
+    def __init__(self, pool: HostPool, charged: int):
+        self._pool = pool
+        self.left = charged
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A block of ``nbytes`` from the reserved room (or, past it, from free room now);
+        ``None`` when neither has it."""
+        pool = self._pool
+        charged = pool.charge(nbytes)
+        if charged <= self.left:
+            self.left -= charged
+        elif pool._try_charge(charged - self.left):
+            self.left = 0
+        else:
+            return None
+        block = None
+        try:
+            block = pool._block(nbytes, charged, False)
+        finally:
+            if block is None:
+                pool._uncharge(charged)
+        return block
+
+    def close(self) -> None:
+        """Give back the room not taken. Idempotent."""
+        left, self.left = self.left, 0
+        self._pool._uncharge(left)

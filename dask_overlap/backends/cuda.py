@@ -169,6 +169,11 @@ class PinnedPool(HostPool):
                 # thread reuse any freed block at once, with no cross-stream event waits.
                 self._stream = RmmStream(obj=_pool_stream(device_id))
 
+    def charge(self, nbytes: int) -> int:
+        # RMM rounds every block up to its alignment: charge that, so that the pool's
+        # budget never lets RMM run past its fixed size.
+        return _align_up(nbytes)
+
     def _raw(self, nbytes: int) -> tuple[np.ndarray, Callable[[], None] | None]:
         if nbytes == 0:
             return np.empty(0, np.uint8), None
@@ -226,7 +231,7 @@ class CudaStream:
         with self._lock:
             self._keep.append(obj)
 
-    def on_complete(self, callback: Callable[[], None]) -> None:
+    def on_complete(self, callback: Callable[[BaseException | None], None]) -> None:
         # Record and take the keep-list together: anything kept before this point was kept
         # after its copy was enqueued, so the event covers that copy.
         with self._lock, self._device:
@@ -238,9 +243,13 @@ class CudaStream:
                 return
         # Closed (a runtime closed under a partition still running): no waiter thread is
         # left, so wait here rather than never call back.
-        event.synchronize()
+        error = None
+        try:
+            event.synchronize()
+        except Exception as e:
+            error = self._error = e
         del keep
-        callback()
+        callback(error or self._error)
 
     def _wait_loop(self) -> None:
         cupy.cuda.runtime.setDevice(self.device_id)
@@ -251,12 +260,14 @@ class CudaStream:
             event, callback, keep = item
             try:
                 event.synchronize()  # blocking sync, without the GIL
-            except BaseException as e:  # a sticky CUDA error: fail later submissions
+            except Exception as e:  # a sticky CUDA error: this and later work failed
                 self._error = e
             # The copies that read ``keep`` have completed; dropping it frees host memory.
             del item, keep, event
             try:
-                callback()
+                callback(self._error)
+            except BaseException:  # the callback only posts news: never let it end the
+                pass  # waiter, or every later completion on this stream would hang
             finally:
                 del callback
 
@@ -374,6 +385,9 @@ class CudaBackend:
             return False
 
     def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
+        np.copyto(dst, src)
+
+    def unstage(self, src: np.ndarray, dst: np.ndarray) -> None:
         np.copyto(dst, src)
 
     def device_bytes_in_use(self) -> int | None:

@@ -65,9 +65,9 @@ class HostStream:
         else:
             on_done(result, None)
 
-    def on_complete(self, callback: Callable[[], None]) -> None:
+    def on_complete(self, callback: Callable[[BaseException | None], None]) -> None:
         # Work on this stream is synchronous, so "completed" is "reached in the queue".
-        self.submit(callback, lambda result, error: None)
+        self.submit(lambda: callback(None), lambda result, error: None)
 
     def close(self) -> None:
         with self._lock:
@@ -98,6 +98,9 @@ class HostBackend:
         return self.pinned.owns(x)
 
     def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
+        np.copyto(dst, src)
+
+    def unstage(self, src: np.ndarray, dst: np.ndarray) -> None:
         np.copyto(dst, src)
 
     def copy_in(self, stream: Any, host: np.ndarray) -> np.ndarray:

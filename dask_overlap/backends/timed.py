@@ -3,7 +3,7 @@
 Each operation takes at least its modelled time (bytes over the modelled bandwidth, or
 the kernel's time), and the three engines of a GPU are exclusive, as on the hardware:
 one H2D copy at a time across all streams, one kernel at a time, one D2H copy at a
-time. Staging copies run in parallel, one per staging thread. So the makespan of a run
+time. Staging and unstaging copies run in parallel, one per copy thread. So the makespan of a run
 can never beat its slowest engine, and the engine's overlap shows as how close it comes
 to that bound, on any machine. The naive path holds one lock for its whole
 copy-in/compute/copy-out, like work on CUDA's legacy default stream.
@@ -52,7 +52,7 @@ class _Engine:
 
 @contextlib.contextmanager
 def _takes_at_least(seconds: float) -> Iterator[None]:
-    """The body, taking no less than ``seconds`` (an engine of its own: staging threads)."""
+    """The body, taking no less than ``seconds`` (an engine of its own: copy threads)."""
     start = time.perf_counter()
     yield
     left = seconds - (time.perf_counter() - start)
@@ -76,6 +76,11 @@ class TimedBackend(HostBackend):
     def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
         with _takes_at_least(src.nbytes / self.model.staging_bandwidth):
             super().stage(src, dst)
+
+    def unstage(self, src: np.ndarray, dst: np.ndarray) -> None:
+        # The same host copy as staging, in the other direction, on the same threads.
+        with _takes_at_least(src.nbytes / self.model.staging_bandwidth):
+            super().unstage(src, dst)
 
     def copy_in(self, stream: Any, host: np.ndarray) -> np.ndarray:
         with self.h2d_engine.run(host.nbytes / self.model.h2d_bandwidth):

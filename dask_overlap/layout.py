@@ -1,0 +1,139 @@
+"""Where a partition's sub-chunks lie: in its inputs, in its output and in ``block_info``.
+
+Pure functions of the partition's arrays and its :class:`~dask_overlap.partition.PartitionSpec`:
+no backend, no threads. The runner asks them once per partition (:func:`layout`) and
+once per sub-chunk (:meth:`Layout.inputs`, :meth:`Layout.out_slice`,
+:meth:`Layout.block_info`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .engine import Plan, plan_sub_chunks
+
+__all__ = ["Layout", "along", "layout"]
+
+
+def along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
+    """The index of rows ``[start, stop)`` along ``axis``."""
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one partition is cut, and where each sub-chunk lies.
+
+    ``axes`` maps each array argument's position to the axis it is cut along (``None``:
+    passed whole to every sub-chunk, e.g. broadcast along the split axis).
+    """
+
+    plan: Plan
+    axes: dict[int, int | None]
+    out_axis: int | None  # the split axis in the output (``None``: not split)
+
+    def inputs(self, args: list[Any], i: int) -> list[Any]:
+        """Sub-chunk ``i``'s slice of each array argument, in ``axes`` order."""
+        if len(self.plan) == 1:
+            return [args[p] for p in self.axes]
+        sub = self.plan.sub_chunks[i]
+        return [
+            args[p] if ax is None else args[p][along(ax, sub.start, sub.stop)]
+            for p, ax in self.axes.items()
+        ]
+
+    def out_slice(self, out: Any, i: int) -> Any:
+        """Sub-chunk ``i``'s part of the partition's output ``out``."""
+        if len(self.plan) == 1:
+            return out
+        sub = self.plan.sub_chunks[i]
+        return out[along(self.out_axis, sub.start, sub.stop)]
+
+    def out_shape(self, sub_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The partition's output shape, from one sub-chunk's result shape."""
+        if self.out_axis is None or len(self.plan) == 1:
+            return tuple(sub_shape)
+        shape = list(sub_shape)
+        shape[self.out_axis] = self.plan.extent
+        return tuple(shape)
+
+    def expected_out_bytes(self, i: int, shape: tuple | None, dtype: Any) -> int | None:
+        """Bytes of sub-chunk ``i``'s output, from what the array declares (``None``:
+        not known: an extent or the dtype is unknown)."""
+        if shape is None or dtype is None or any(e is None for e in shape):
+            return None
+        dims = list(shape)
+        if self.out_axis is not None and len(self.plan) > 1:
+            dims[self.out_axis] = self.plan.sub_chunks[i].extent
+        return int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+    def block_info(self, info: dict | None, i: int) -> dict | None:
+        """The partition's ``block_info``, narrowed to sub-chunk ``i``."""
+        if len(self.plan) == 1 or info is None:
+            return info
+        sub = self.plan.sub_chunks[i]
+        info = copy.deepcopy(info)
+        for p, ax in self.axes.items():
+            if ax is not None and p in info:
+                lo, _ = info[p]["array-location"][ax]
+                info[p]["array-location"][ax] = (lo + sub.start, lo + sub.stop)
+        ax = self.out_axis
+        if None in info and ax is not None:
+            lo, _ = info[None]["array-location"][ax]
+            info[None]["array-location"][ax] = (lo + sub.start, lo + sub.stop)
+            shape = list(info[None]["chunk-shape"])
+            shape[ax] = sub.extent
+            info[None]["chunk-shape"] = tuple(shape)
+        return info
+
+
+def layout(
+    args: list[Any],
+    positions: tuple[int, ...],
+    ndim: int,
+    split_axis: int | None,
+    out_axis: int | None,
+    sub_chunk_bytes: int,
+    where: str,
+) -> Layout:
+    """Cut a partition: ``split_axis`` is in the index space of the inputs (the highest
+    input ``ndim``, as Dask aligns them); ``where`` names the partition in errors."""
+    if split_axis is None:
+        first = args[positions[0]] if positions else None
+        extent = first.shape[0] if first is not None and first.ndim else 1
+        return Layout(plan_sub_chunks(extent, 0, 0, None), dict.fromkeys(positions), None)
+    k = split_axis
+    # Dask aligns blocks by position, not shape: inputs may disagree along k. Only an
+    # extent of 1 broadcasts; any other mismatch cannot be cut into common sub-chunks.
+    extents: dict[int, int] = {}
+    for p in positions:
+        a = args[p]
+        ax = k - (ndim - a.ndim)
+        if ax >= 0 and a.shape[ax] != 1:
+            extents[p] = a.shape[ax]
+    if len(set(extents.values())) > 1:
+        found = ", ".join(f"arrays[{p}]: {e}" for p, e in extents.items())
+        raise ValueError(
+            f"split_axis={k} requires the array inputs to have the same extent along it "
+            f"(or 1, to broadcast); {where} has extents {found}"
+        )
+    extent = next(iter(extents.values()), 1)
+    axes: dict[int, int | None] = {}
+    row_bytes = 0
+    for p in positions:
+        a = args[p]
+        ax = k - (ndim - a.ndim)
+        if ax < 0 or (a.shape[ax] == 1 and extent != 1):
+            axes[p] = None  # broadcast along the split axis: every sub-chunk gets it whole
+        else:
+            axes[p] = ax
+            if extent:
+                row_bytes += a.nbytes // extent
+    if any(args[p].size == 0 for p in positions):
+        row_bytes = 0  # nothing to pipeline: one sub-chunk
+    plan = plan_sub_chunks(extent, row_bytes, sub_chunk_bytes, k)
+    return Layout(plan, axes, out_axis)

@@ -1,0 +1,80 @@
+"""What ``func`` must return: checks with errors that name the partition and the mismatch.
+
+A block whose dtype or shape differs from what the dask array declares would make Dask's
+array lie about its own chunks, so every sub-chunk's result is checked before it is
+copied out; the messages say what ``func`` returned and what was expected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .engine import SubChunk
+
+__all__ = ["check_declared", "check_like_first", "check_split_extent", "not_an_array"]
+
+
+def not_an_array(func_name: str, raw: Any, where: str) -> TypeError:
+    return TypeError(f"{func_name} must return an array, got {type(raw).__name__} for {where}")
+
+
+def check_split_extent(
+    func_name: str, split_axis: int, out_axis: int, result: Any, sub: SubChunk, where: str
+) -> None:
+    """A row-independent ``func`` keeps the extent of the split axis."""
+    got = result.shape[out_axis] if result.ndim > out_axis else None
+    if got != sub.extent:
+        raise ValueError(
+            f"split_axis={split_axis} requires {func_name} to keep the extent of output axis "
+            f"{out_axis}: sub-chunk rows [{sub.start}:{sub.stop}] of {where} gave an output of "
+            f"shape {tuple(result.shape)}, expected extent {sub.extent} along axis {out_axis}"
+        )
+
+
+def check_declared(
+    func_name: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    want_shape: tuple[int | None, ...] | None,
+    want_dtype: Any,
+    where: str,
+) -> None:
+    """The output block must be what the dask array says it is, or Dask's array lies."""
+    dtype_ok = want_dtype is None or np.dtype(dtype) == np.dtype(want_dtype)
+    shape_ok = want_shape is None or (
+        len(shape) == len(want_shape)
+        and all(w is None or w == g for w, g in zip(want_shape, shape, strict=True))
+    )
+    if dtype_ok and shape_ok:
+        return
+    shown = "?" if want_shape is None else tuple("?" if w is None else w for w in want_shape)
+    raise ValueError(
+        f"{func_name} returned dtype {np.dtype(dtype)} and shape {shape} for "
+        f"{where}, but the output array declares dtype "
+        f"{'?' if want_dtype is None else np.dtype(want_dtype)} and shape {shown} for "
+        "this block: pass dtype= and chunks= (or meta=) to map_blocks as func returns them"
+    )
+
+
+def check_like_first(
+    func_name: str,
+    result: Any,
+    out: Any,
+    out_axis: int | None,
+    sub: SubChunk,
+    split: bool,
+    where: str,
+) -> None:
+    """Every sub-chunk's result matches the partition's output (made from the first one)."""
+    expected = list(out.shape)
+    got = list(result.shape)
+    if split and out_axis is not None:
+        expected[out_axis] = got[out_axis] = sub.extent
+    if result.dtype != out.dtype or got != expected:
+        raise ValueError(
+            f"{func_name} returned dtype {result.dtype} and shape {tuple(result.shape)} for "
+            f"sub-chunk rows [{sub.start}:{sub.stop}] of {where}, but another sub-chunk gave "
+            f"dtype {out.dtype} and shape {tuple(expected)}"
+        )
