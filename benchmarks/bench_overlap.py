@@ -118,6 +118,22 @@ def array_of_views(host: np.ndarray, rows_per_part: int) -> da.Array:
     return da.Array(graph, name, chunks, meta=np.empty((0, 0), host.dtype))
 
 
+def pinned_copy(rt: Any, host: np.ndarray) -> np.ndarray:
+    """``host`` copied into pinned memory: page-locked by CUDA on the GPU (outside the
+    pool, as a user's pinned data would be), a block of the pool elsewhere."""
+    if rt.name == "cuda":
+        import cupyx
+
+        pinned = cupyx.empty_pinned(host.shape, host.dtype)
+    else:
+        block = rt.backend.pinned.allocate(host.nbytes)
+        if block is None:
+            raise SystemExit("the pinned pool cannot hold the input; raise its size")
+        pinned = block.view(host.dtype).reshape(host.shape)
+    pinned[...] = host
+    return pinned
+
+
 def configure_timed(workload: str) -> None:
     """Model the workload's kernel on the timed backend (relative to its H2D rate)."""
     h2d = parse_bytes(str(dask.config.get("overlap.timed.h2d-bandwidth")))
@@ -126,8 +142,19 @@ def configure_timed(workload: str) -> None:
     dask.config.set({"overlap.timed.kernel-bandwidth": int(kernel_bw)})
 
 
-def bound_seconds(total_in: int, total_out: int, kernel_s: float, ceilings: dict, staged: bool):
-    """The slowest stage: each stage's bytes over its rate; ``stage`` names the winner."""
+def bound_seconds(
+    total_in: int,
+    total_out: int,
+    kernel_s: float,
+    ceilings: dict,
+    staged: bool,
+    unstaged: bool = False,
+):
+    """The slowest stage: each stage's bytes over its rate; ``stage`` names the winner.
+
+    Staging in and unstaging out are host copies on the same threads: they count as one
+    stage, at the staging rate.
+    """
     stages = {
         "h2d": total_in / ceilings["h2d"],
         "d2h": total_out / ceilings["d2h"],
@@ -135,8 +162,9 @@ def bound_seconds(total_in: int, total_out: int, kernel_s: float, ceilings: dict
     }
     if ceilings.get("both"):
         stages["both_ways"] = (total_in + total_out) / ceilings["both"]
-    if staged and ceilings.get("staging"):
-        stages["staging"] = total_in / ceilings["staging"]
+    host_copied = total_in * staged + total_out * unstaged
+    if host_copied and ceilings.get("staging"):
+        stages["host_copies"] = host_copied / ceilings["staging"]
     if ceilings.get("host_cores"):
         # The host backend has no separate engines: every stage runs on the same cores.
         stages["host_cpu"] = sum(stages.values()) / ceilings["host_cores"]
@@ -156,7 +184,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--in-flight", default="", help="sub-chunks in flight, a comma list")
     p.add_argument("--threads", default="4", help="Dask threads (partitions at once), a comma list")
     p.add_argument("--naive-threads", default="", help="comma list; default: first of --threads")
-    p.add_argument("--pinned-input", action="store_true", help="input already in the pinned pool")
+    p.add_argument("--pinned-input", action="store_true", help="input already in pinned memory")
+    p.add_argument(
+        "--out",
+        default="host",
+        choices=["host", "pinned"],
+        help="where results live: ordinary arrays (the default) or the pinned pool",
+    )
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each path; best kept")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--timeline-json", default=None, help="write the fastest run's stage spans here")
@@ -170,7 +204,10 @@ def main(argv: list[str] | None = None) -> dict:
     subs = comma_list(args.sub_chunk, parse_bytes) or [None]
     in_flights = comma_list(args.in_flight, int) or [None]
     threads = comma_list(args.threads, int) or [4]
-    pool = int(nbytes * (2.2 if args.pinned_input else 1.2)) + 64 * 2**20
+    # Kept pinned blocks (results with --out pinned; pinned input off the GPU, where only
+    # the pool's blocks count as pinned) may take half the pool; the ring has the rest.
+    kept = nbytes * ((args.out == "pinned") + (args.pinned_input and backend != "cuda"))
+    pool = int(2.1 * kept) + 2**30
     cfg = {
         "overlap.backend": backend,
         "overlap.pinned-pool-size": max(
@@ -186,12 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
     host = rng.random((rows, row), dtype=np.float32)
     if args.pinned_input:
-        block = rt.backend.pinned.allocate(host.nbytes)
-        if block is None:
-            raise SystemExit("the pinned pool cannot hold the input; raise its size")
-        pinned = block.view(np.float32).reshape(host.shape)
-        pinned[...] = host
-        host = pinned
+        host = pinned_copy(rt, host)
 
     ceilings, kernel_s_part, iterations = measure_ceilings(
         rt, host[:rows_per_part], args.workload, KERNEL_RATIO[args.workload], make_kernel
@@ -207,7 +239,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     def overlapped(data: da.Array, sub: int | None, in_flight: int | None) -> da.Array:
         return dask_overlap.map_blocks(
-            func, data, split_axis=0, sub_chunk_bytes=sub, in_flight=in_flight, dtype=np.float32
+            func,
+            data,
+            split_axis=0,
+            sub_chunk_bytes=sub,
+            in_flight=in_flight,
+            dtype=np.float32,
+            out=args.out,
         )
 
     # Warm-up: compilation, pool creation and first touch stay out of the numbers.
@@ -230,7 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     staged = not args.pinned_input
     out_bytes = nbytes  # the kernel is elementwise: one output byte per input byte
-    bound_s, bound_stage, stages = bound_seconds(nbytes, out_bytes, kernel_s, ceilings, staged)
+    bound_s, bound_stage, stages = bound_seconds(
+        nbytes, out_bytes, kernel_s, ceilings, staged, unstaged=args.out == "host"
+    )
     before = rt.stats()
     runs: list[dict] = []
     timeline: dict = {}
@@ -291,7 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
         "sub_chunk_bytes": top["sub_chunk_bytes"],
         "in_flight": top["in_flight"],
         "threads": top["threads"],
-        "staging_threads": rt.options.staging_threads,
+        "staging_threads": rt.copy_threads,
+        "out": args.out,
         "kernel_iterations": iterations,
         "ceilings_gbps": {k: v / gb for k, v in ceilings.items() if isinstance(v, float)},
         "stage_seconds": stages,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["measure_ceilings"]
+__all__ = ["measure_ceilings", "parallel_copy_rate"]
 
 
 def _best(fn: Callable[[], Any], repeat: int = 3) -> float:
@@ -35,8 +35,9 @@ def _iterations(one_pass: float, base: float, target: float) -> int:
     return max(0, round((target - base) / one_pass))
 
 
-def _parallel_copy_rate(src: np.ndarray, dst: np.ndarray, threads: int) -> float:
-    """Bytes per second of ``threads`` threads copying ``src`` into ``dst`` in slices."""
+def parallel_copy_rate(src: np.ndarray, dst: np.ndarray, threads: int, repeat: int = 3) -> float:
+    """Bytes per second of ``threads`` threads copying ``src`` into ``dst`` in slices
+    (the best of ``repeat``)."""
     parts = np.array_split(np.arange(src.shape[0]), threads)
 
     def copy(idx: np.ndarray) -> None:
@@ -44,7 +45,7 @@ def _parallel_copy_rate(src: np.ndarray, dst: np.ndarray, threads: int) -> float
             np.copyto(dst[idx[0] : idx[-1] + 1], src[idx[0] : idx[-1] + 1])
 
     with ThreadPoolExecutor(threads) as ex:
-        seconds = _best(lambda: list(ex.map(copy, parts)))
+        seconds = _best(lambda: list(ex.map(copy, parts)), repeat)
     return src.nbytes / seconds
 
 
@@ -53,7 +54,7 @@ def _timed(rt: Any, block: np.ndarray, ratio: float) -> tuple[dict, float, int]:
     ceilings = {
         "h2d": m.h2d_bandwidth,
         "d2h": m.d2h_bandwidth,
-        "staging": m.staging_bandwidth * rt.options.staging_threads,
+        "staging": m.staging_bandwidth * rt.copy_threads,
     }
     return ceilings, m.kernel_time(block.nbytes), 0
 
@@ -103,7 +104,7 @@ def _cuda(rt: Any, block: np.ndarray, ratio: float, make_kernel: Callable) -> tu
         dev_b.get(stream=s2, out=pin_out, blocking=False)
 
     both_rate = 2 * n / timed(both)
-    staging = _parallel_copy_rate(block, pin_out, rt.options.staging_threads)
+    staging = parallel_copy_rate(block, pin_out, rt.copy_threads)
 
     def kernel_seconds(iterations: int) -> float:
         k = make_kernel(iterations)

@@ -3,7 +3,7 @@
 # timeline, the cluster benchmark, the demo and a dashboard snapshot. Logs and JSON go to
 # $OUT (default ./bench-out), in few files (the device returns at most 8).
 #
-#   bash ci/gpu.sh [all|tests|bench|timeline|cluster|demo|dashboard|trap]...
+#   bash ci/gpu.sh [all|default|tests|bench|timeline|cluster|demo|dashboard|trap]...
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -65,12 +65,12 @@ run_bench() {
     mkdir -p "$OUT/cases"
     for c in "${cases[@]}"; do
         case $c in
-            balanced-pinned) bench_case "$c" "${common[@]}" --partition 256MiB --workload balanced --pinned-input ;;
+            balanced-pinned) bench_case "$c" "${common[@]}" --partition 256MiB --workload balanced --pinned-input --out pinned ;;
             balanced-pageable) (export DASK_OVERLAP__STAGING_THREADS=${STAGING_THREADS:-8}; \
                 bench_case "$c" "${common[@]}" --partition 256MiB --workload balanced) ;;
-            transfer-pinned) bench_case "$c" "${common[@]}" --partition 256MiB --workload transfer --pinned-input ;;
-            compute-pinned) bench_case "$c" "${common[@]}" --partition 256MiB --workload compute --pinned-input ;;
-            balanced-16MiB) bench_case "$c" "${common[@]}" --partition 16MiB --workload balanced --pinned-input ;;
+            transfer-pinned) bench_case "$c" "${common[@]}" --partition 256MiB --workload transfer --pinned-input --out pinned ;;
+            compute-pinned) bench_case "$c" "${common[@]}" --partition 256MiB --workload compute --pinned-input --out pinned ;;
+            balanced-16MiB) bench_case "$c" "${common[@]}" --partition 16MiB --workload balanced --pinned-input --out pinned ;;
         esac
     done
     python3 - "$OUT" <<'PY'
@@ -82,6 +82,13 @@ json.dump(load(".json"), open(f"{out}/bench-cuda.json", "w"), indent=1)
 json.dump(load(".spans"), open(f"{out}/bench-cuda-spans.json", "w"))
 PY
     rm -rf "$OUT/cases"
+}
+
+run_default() {
+    # The path users run: no overlap.* settings, pageable input, result larger than the pool.
+    log "default path: bench_default.py ${DEFAULT_ARGS:-}"
+    timeout "${DEFAULT_LIMIT:-240}" python3 benchmarks/bench_default.py --json "$OUT/default-path.json" \
+        ${DEFAULT_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 30 || status=1
 }
 
 run_timeline() {
@@ -121,7 +128,8 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(all)
 for step in "${steps[@]}"; do
     case $step in
-        all) run_bench; run_tests; run_timeline; run_demo; run_cluster; run_dashboard ;;
+        all) run_default; run_bench; run_tests; run_timeline; run_demo; run_cluster; run_dashboard ;;
+        default) run_default ;;
         tests) run_tests ;;
         bench) run_bench ;;
         timeline) run_timeline ;;
@@ -129,7 +137,7 @@ for step in "${steps[@]}"; do
         demo) run_demo ;;
         dashboard) run_dashboard ;;
         trap) run_trap ;;
-        *) echo "usage: $0 [all|tests|bench|timeline|cluster|demo|dashboard|trap]..."; exit 2 ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|demo|dashboard|trap]..."; exit 2 ;;
     esac
 done
 log "done, status $status"

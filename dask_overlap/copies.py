@@ -82,14 +82,16 @@ class Copier:
         copies: list[tuple[np.ndarray, np.ndarray]],
         fn: Callable[[np.ndarray, np.ndarray], None],
         on_done: Callable[[BaseException | None], None],
+        inline: bool = True,
     ) -> None:
         """``fn(src, dst)`` for every pair, in pieces, then ``on_done(first error or None)``.
 
-        Small copies run on the calling thread, before this returns; otherwise
-        ``on_done`` runs on the thread that finished the last piece.
+        With ``inline``, small copies (or none) run on the calling thread, before this
+        returns; otherwise ``on_done`` runs on the thread that finished the last piece.
+        A caller with other work to overlap (the next sub-chunk) passes ``inline=False``.
         """
         total = sum(src.nbytes for src, _ in copies)
-        if total <= INLINE_BYTES:
+        if not copies or (inline and total <= INLINE_BYTES):
             try:
                 for src, dst in copies:
                     fn(src, dst)

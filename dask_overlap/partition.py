@@ -334,7 +334,8 @@ class _PartitionRun:
             sub.spans.append(("stage", t0, time.time(), nbytes))
             self._post(Done(Stage.STAGE, i))
 
-        self.rt.copies.copy(copies, self.backend.stage, done)
+        # A partition of one sub-chunk has nothing of its own to overlap a small copy with.
+        self.rt.copies.copy(copies, self.backend.stage, done, inline=not self.split)
 
     def _device(self, i: int) -> None:
         """H2D, COMPUTE and D2H of sub-chunk ``i``, enqueued together on one stream."""
@@ -429,7 +430,9 @@ class _PartitionRun:
             self.rt.counters.add(bytes_unstaged=nbytes)
             self._post(Done(Stage.UNSTAGE, i))
 
-        self.rt.copies.copy([(sub.ring_out, sub.dest)], self.backend.unstage, done)
+        self.rt.copies.copy(
+            [(sub.ring_out, sub.dest)], self.backend.unstage, done, inline=not self.split
+        )
 
     # -- results, output and buffers ---------------------------------------------------
     def _output_for(self, i: int, result: Any, stream: Any) -> Any:

@@ -25,7 +25,7 @@ import dask_overlap
 cp = require_gpu()
 
 from dask_overlap.backends.cuda import CudaBackend, _rows, guard_kernel_pickling  # noqa: E402
-from dask_overlap.partition import PartitionSpec  # noqa: E402
+from dask_overlap.partition import PartitionSpec, run_partition  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -63,7 +63,9 @@ def pinned_in_use_once_idle(timeout: float = 10.0) -> int:
 def poison_pool() -> None:
     """Fill the free part of the pinned pool with 0xFF, so unwritten output shows."""
     pool = runtime().backend.pinned
-    block = pool.allocate(pool.limit - pool.in_use)
+    room = pool.reserve(pool.limit - pool.in_use)
+    assert room is not None
+    block = room.take(room.left)
     assert block is not None
     block[...] = 0xFF
     del block
@@ -155,14 +157,14 @@ def test_result_types_and_zero_d() -> None:
     def spec(split: int | None) -> PartitionSpec:
         return PartitionSpec(("t", 0), (0,), 2, split, split, 4096, 2)
 
-    got = rt.run_partition(lambda b: b.sum(), (x,), {}, spec(None))
+    got = run_partition(rt, lambda b: b.sum(), (x,), {}, spec(None))
     assert got.shape == () and got == x.sum()
-    got = rt.run_partition(lambda b: cp.asnumpy(b) * 2, (x,), {}, spec(0))
+    got = run_partition(rt, lambda b: cp.asnumpy(b) * 2, (x,), {}, spec(0))
     np.testing.assert_array_equal(got, x * 2)
-    got = rt.run_partition(lambda b: b.T.astype(cp.float64).T, (x,), {}, spec(1))
+    got = run_partition(rt, lambda b: b.T.astype(cp.float64).T, (x,), {}, spec(1))
     np.testing.assert_array_equal(got, x.astype(np.float64))
     with pytest.raises(TypeError, match="must return an array"):
-        rt.run_partition(lambda b: 3, (x,), {}, spec(None))
+        run_partition(rt, lambda b: 3, (x,), {}, spec(None))
 
 
 def test_copy_out_into_odd_layouts() -> None:
@@ -217,11 +219,22 @@ def test_pool_empty_after_func_raises() -> None:
     assert runtime().stats()["partitions_failed"] >= 1
 
 
-def test_pool_exhausted_falls_back() -> None:
+def test_pool_smaller_than_the_result_waits_instead_of_falling_back() -> None:
+    with dask.config.set({"overlap.pinned-pool-size": "1MiB", "num_workers": 4}):
+        dask_overlap.close_runtimes()
+        x = np.arange(8192 * 256, dtype=np.float32).reshape(8192, 256)  # 8 MiB
+        y = dask_overlap.map_blocks(affine, views(x, 1024), split_axis=0, sub_chunk_bytes=2**17)
+        np.testing.assert_array_equal(y.compute(), affine(x))
+        stats = runtime().stats()
+        assert stats["pinned_fallbacks"] == 0 and stats["pinned_bytes_peak"] <= 2**20
+        assert stats["bytes_staged"] == stats["bytes_unstaged"] == x.nbytes
+
+
+def test_pool_smaller_than_a_sub_chunk_falls_back() -> None:
     with dask.config.set({"overlap.pinned-pool-size": "1MiB"}):
         dask_overlap.close_runtimes()
         x = np.arange(2048 * 256, dtype=np.float32).reshape(2048, 256)  # 2 MiB
-        y = dask_overlap.map_blocks(affine, views(x, 1024), split_axis=0, sub_chunk_bytes=2**18)
+        y = dask_overlap.map_blocks(affine, views(x, 1024), split_axis=0, sub_chunk_bytes=2**19)
         np.testing.assert_array_equal(y.compute(), affine(x))
         stats = runtime().stats()
         assert stats["pinned_fallbacks"] > 0 and stats["pinned_bytes_peak"] <= 2**20
@@ -268,9 +281,9 @@ def test_completion_only_after_copy_lands() -> None:
         backend.copy_out(stream, a, out)
 
     stream.submit(work, lambda r, e: None)
-    stream.on_complete(lambda: (seen.append(float(out[-1])), done.set()))
+    stream.on_complete(lambda error: (seen.append((float(out[-1]), error)), done.set()))
     assert done.wait(30)
-    assert seen == [1.0]
+    assert seen == [(1.0, None)]
 
 
 @pytest.mark.parametrize("split_axis", [None, 0, 1])

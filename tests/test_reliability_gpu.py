@@ -149,7 +149,10 @@ def test_small_pinned_pool(pool: int) -> None:
     stats = wait_until_idle()
     assert stats["pinned_pool_size"] == pool
     assert stats["pinned_bytes_peak"] <= pool
-    assert stats["pinned_fallbacks"] >= 2 * x.npartitions  # no output fitted
+    if pool < 2 * 65536:  # not one sub-chunk's way in and out fits: all of it falls back
+        assert stats["pinned_fallbacks"] >= 2 * x.npartitions
+    else:  # smaller than a partition: sub-chunks wait for ring room instead
+        assert stats["pinned_fallbacks"] == 0
     assert stats["in_flight"] == 0
 
 
@@ -393,7 +396,8 @@ def test_two_clients_at_once(tmp_path) -> None:
         )
         assert sum(v["partitions"] for v in stats.values()) == 64
         assert all(v["pinned_bytes_peak"] <= v["pinned_pool_size"] for v in stats.values())
-        assert sum(v["pinned_fallbacks"] for v in stats.values()) > 0
+        assert sum(v["ring_full"] for v in stats.values()) > 0  # the bound binds, and holds:
+        assert sum(v["pinned_fallbacks"] for v in stats.values()) == 0  # waits, no fallback
 
 
 # -- 3. a worker killed mid-computation -------------------------------------------------
