@@ -127,6 +127,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hand-threads", default="8,16", help="hand-written: copy threads")
     p.add_argument("--gaussian-size", default="4GiB", help="input of the gaussian case")
     p.add_argument("--no-gaussian", action="store_true", help="skip the gaussian case")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time split and whole partitions over sub-chunk sizes, copy piece sizes "
+        "and Dask threads (to choose the defaults)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
 
@@ -233,10 +239,73 @@ def main(argv: list[str] | None = None) -> dict:
         f"{result['result_rss_over_result_bytes']:.2f}x its bytes; correct={correct}"
     )
     print("  rates GB/s: " + " ".join(f"{k}={v:.1f}" for k, v in result["rates_gbps"].items()))
+    if args.sweep:
+        result["sweep"] = sweep(rt, x, func, nbytes, ref_sum(host, func, rows_per_part))
     if not args.no_gaussian:
         result["gaussian"] = gaussian_case(rt, parse_bytes(args.gaussian_size), rows_per_part)
     write_json(args.json, result)
     return result
+
+
+def ref_sum(host: np.ndarray, func: Any, rows_per_part: int) -> float:
+    """A cheap fingerprint of the right result (the sweep's check)."""
+    return float(
+        np.asarray(
+            dask_overlap.map_blocks(
+                func, array_of_views(host, rows_per_part), dtype=np.float32
+            ).sum(dtype=np.float64)
+        )
+    )
+
+
+def sweep(rt: Any, x: da.Array, func: Any, nbytes: int, want: float) -> list[dict]:
+    """Split and whole partitions over sub-chunk sizes, copy piece sizes and threads, with
+    each engine's busy fraction (from the runtime's timeline)."""
+    from bench_overlap import engine_busy
+
+    out = []
+    default_piece = rt.copies.piece_bytes
+    configs = [
+        (split, sub, piece, threads)
+        for piece in (4 << 20, 16 << 20)
+        for threads in (None, 8)
+        for split, sub in ((0, 64 << 20), (0, 128 << 20), (None, None))
+    ]
+    for split, sub, piece, threads in configs:
+        rt.copies.piece_bytes = piece
+        arr = dask_overlap.map_blocks(
+            func, x, split_axis=split, sub_chunk_bytes=sub, dtype=np.float32
+        )
+        best, busy = float("inf"), {}
+        for _ in range(2):
+            rt.timeline.clear()
+            start = time.time()
+            t0 = time.perf_counter()
+            (done,) = dask.persist(arr, num_workers=threads)
+            seconds = time.perf_counter() - t0
+            if seconds < best:
+                best = seconds
+                busy = engine_busy(list(rt.timeline), start, start + seconds)
+            ok = abs(float(done.sum(dtype=np.float64).compute()) - want) <= 1e-6 * abs(want)
+            del done
+        row = {
+            "split_axis": split,
+            "sub_chunk_bytes": sub,
+            "piece_bytes": piece,
+            "threads": threads or os.cpu_count(),
+            "gbps": nbytes / best / GB,
+            "ok": ok,
+            "busy": busy,
+        }
+        out.append(row)
+        print(
+            f"  sweep split={split} sub={format_bytes(sub or 0)} piece={format_bytes(piece)} "
+            f"threads={row['threads']}: {row['gbps']:.2f} GB/s busy "
+            + " ".join(f"{k}={v:.2f}" for k, v in busy.items())
+            + ("" if ok else " WRONG")
+        )
+    rt.copies.piece_bytes = default_piece
+    return out
 
 
 def gaussian_case(rt: Any, size: int, rows_per_part: int) -> dict[str, Any]:

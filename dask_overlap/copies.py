@@ -45,7 +45,9 @@ def auto_threads() -> int:
     return max(AUTO_MIN, min(AUTO_MAX, cores))
 
 
-def pieces(src: np.ndarray, dst: np.ndarray, threads: int) -> list[tuple[Any, Any]]:
+def pieces(
+    src: np.ndarray, dst: np.ndarray, threads: int, piece_bytes: int = PIECE_BYTES
+) -> list[tuple[Any, Any]]:
     """``(src, dst)`` row ranges that together copy ``src`` into ``dst``.
 
     Examples
@@ -55,7 +57,7 @@ def pieces(src: np.ndarray, dst: np.ndarray, threads: int) -> list[tuple[Any, An
     [16, 16, 16, 16]
     """
     rows = src.shape[0] if src.ndim else 1
-    n = max(1, min(threads, src.nbytes // PIECE_BYTES, rows))
+    n = max(1, min(threads, src.nbytes // piece_bytes, rows))
     if n == 1:
         return [(src, dst)]
     bounds = [rows * k // n for k in range(n + 1)]
@@ -71,10 +73,13 @@ class Copier:
         How many copies run at once.
     name
         Prefix of the threads' names.
+    piece_bytes
+        Copies are cut into pieces of at least this size.
     """
 
-    def __init__(self, threads: int, name: str):
+    def __init__(self, threads: int, name: str, piece_bytes: int = PIECE_BYTES):
         self.threads = threads
+        self.piece_bytes = piece_bytes
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
 
     def copy(
@@ -100,7 +105,7 @@ class Copier:
                 return
             on_done(None)
             return
-        work = [p for src, dst in copies for p in pieces(src, dst, self.threads)]
+        work = [p for src, dst in copies for p in pieces(src, dst, self.threads, self.piece_bytes)]
         left = [len(work)]
         errors: list[BaseException] = []
         lock = threading.Lock()
