@@ -267,9 +267,9 @@ def sweep(rt: Any, x: da.Array, func: Any, nbytes: int, want: float) -> list[dic
     default_piece = rt.copies.piece_bytes
     configs = [
         (split, sub, piece, threads)
-        for piece in (4 << 20, 16 << 20)
-        for threads in (None, 8)
-        for split, sub in ((0, 64 << 20), (0, 128 << 20), (None, None))
+        for piece in (default_piece,)
+        for threads in (None, 4)
+        for split, sub in ((0, None), (0, 64 << 20), (None, None))
     ]
     for split, sub, piece, threads in configs:
         rt.copies.piece_bytes = piece
@@ -300,7 +300,8 @@ def sweep(rt: Any, x: da.Array, func: Any, nbytes: int, want: float) -> list[dic
         }
         out.append(row)
         print(
-            f"  sweep split={split} sub={format_bytes(sub or 0)} piece={format_bytes(piece)} "
+            f"  sweep split={split} sub={format_bytes(sub) if sub else 'default'} "
+            f"piece={format_bytes(piece)} "
             f"threads={row['threads']}: {row['gbps']:.2f} GB/s cpu {best_cpu:.2f} s busy "
             + " ".join(f"{k}={v:.2f}" for k, v in busy.items())
             + ("" if ok else " WRONG")

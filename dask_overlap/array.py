@@ -100,7 +100,7 @@ class _PartitionTask:
         ndim: int,
         split_axis: int | None,
         out_split_axis: int | None,
-        sub_chunk_bytes: int,
+        sub_chunk_bytes: int | str,
         in_flight: int,
         func_block_id: bool,
         func_block_info: bool,
@@ -249,8 +249,9 @@ def map_blocks(
         output's extent along it must equal the input's. ``None`` (default): each
         partition is one sub-chunk.
     sub_chunk_bytes
-        Target sub-chunk size, an int or a string such as ``"32MiB"``
-        (default ``overlap.sub-chunk-bytes``).
+        Target sub-chunk size, an int or a string such as ``"32MiB"``, or ``"auto"``
+        (default ``overlap.sub-chunk-bytes``, ``auto``: cut a partition only as far as
+        the partitions running beside it leave the device short of work).
     in_flight
         How many sub-chunks of a partition may be in flight at once (the bounded queue;
         default ``overlap.in-flight``). When it is full the submitter waits.

@@ -64,6 +64,10 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def _bytes_or_auto(name: str, value: Any) -> int | str:
+    return "auto" if value == "auto" else check_bytes(name, value)
+
+
 def _check_threads(name: str, value: Any) -> int | str:
     if value == "auto":
         return "auto"
@@ -120,7 +124,7 @@ class Options:
     """
 
     backend: str
-    sub_chunk_bytes: int
+    sub_chunk_bytes: int | str  # or "auto": see layout.auto_sub_chunk_bytes
     in_flight: int
     streams: int
     staging_threads: int | str  # or "auto": see copies.auto_threads
@@ -158,7 +162,7 @@ class Options:
             raise TypeError(f"timed must be a TimedModel, got {type(timed).__name__}")
         return cls(
             backend=backend,
-            sub_chunk_bytes=check_bytes("sub_chunk_bytes", get("sub_chunk_bytes")),
+            sub_chunk_bytes=_bytes_or_auto("sub_chunk_bytes", get("sub_chunk_bytes")),
             in_flight=check_positive_int("in_flight", get("in_flight")),
             streams=check_positive_int("streams", get("streams")),
             staging_threads=_check_threads("staging_threads", get("staging_threads")),

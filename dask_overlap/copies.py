@@ -18,8 +18,9 @@ import numpy as np
 
 __all__ = ["Copier", "auto_threads", "pieces"]
 
-#: Copies are cut into pieces of at least this many bytes.
-PIECE_BYTES = 4 << 20
+#: Copies are cut into pieces of at least this many bytes. On the H200 host (8 GiB through
+#: the ring, 16 threads), 16 MiB pieces were 5-20 % faster than 4 MiB ones.
+PIECE_BYTES = 16 << 20
 #: A copy of at most this many bytes runs on the caller's thread (two thread hand-offs
 #: cost more than the copy).
 INLINE_BYTES = 4 << 20

@@ -9,9 +9,10 @@ see :func:`dask_overlap.metrics.snapshot`) through the worker handler that plugi
 at most once per poll interval whatever the number of open pages.
 
 The page shows, for each worker: the recent sub-chunks on each stream (H2D, kernel and
-D2H in three colours, staging in grey) over time, the H2D and D2H throughput against the
-link's ceiling (``overlap.link-bandwidth``), pinned and device pool occupancy and window
-use against their bounds, and the backpressure. :func:`render_html` renders the same
+D2H in three colours; staging in grey and unstaging in brown, on the copy threads' lane)
+over time, the H2D and D2H throughput against the link's ceiling
+(``overlap.link-bandwidth``), pinned and device pool occupancy and window use against
+their bounds, and the backpressure. :func:`render_html` renders the same
 page from a saved ``/overlap.json``.
 """
 
@@ -44,8 +45,20 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PAGE = "overlap"
-COLORS = {"stage": "#bdbdbd", "h2d": "#1f77b4", "compute": "#2ca02c", "d2h": "#ff7f0e"}
-STAGE_NAMES = {"stage": "staging", "h2d": "H2D", "compute": "kernel", "d2h": "D2H"}
+COLORS = {
+    "stage": "#bdbdbd",
+    "h2d": "#1f77b4",
+    "compute": "#2ca02c",
+    "d2h": "#ff7f0e",
+    "unstage": "#8c564b",
+}
+STAGE_NAMES = {
+    "stage": "staging",
+    "h2d": "H2D",
+    "compute": "kernel",
+    "d2h": "D2H",
+    "unstage": "unstaging",
+}
 _BINS = 40  # throughput bins over the timeline's time span
 _GB = 1e9
 
@@ -214,7 +227,7 @@ class _WorkerPanel:
     def update(self, w: dict[str, Any], lanes: list[int]) -> None:
         from bokeh.models import FixedTicker
 
-        names = {j: ("staging" if j < 0 else f"stream {j}") for j in lanes}
+        names = {j: ("copy threads" if j < 0 else f"stream {j}") for j in lanes}
         self.timeline.yaxis.ticker = FixedTicker(ticks=lanes)
         self.timeline.height = max(200, 70 + 15 * len(lanes))
         self.timeline.yaxis.major_label_overrides = names

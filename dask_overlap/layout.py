@@ -16,7 +16,12 @@ import numpy as np
 
 from .engine import Plan, plan_sub_chunks
 
-__all__ = ["Layout", "along", "layout"]
+__all__ = ["AUTO_IN_FLIGHT", "AUTO_MIN_BYTES", "Layout", "along", "auto_sub_chunk_bytes", "layout"]
+
+#: ``sub-chunk-bytes: auto`` aims at this many sub-chunks in flight on a runtime in all...
+AUTO_IN_FLIGHT = 4
+#: ...and never cuts below this size (smaller sub-chunks cost more host work per byte).
+AUTO_MIN_BYTES = 64 << 20
 
 
 def along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
@@ -89,6 +94,26 @@ class Layout:
             shape[ax] = sub.extent
             info[None]["chunk-shape"] = tuple(shape)
         return info
+
+
+def auto_sub_chunk_bytes(partition_bytes: int, running: int) -> int:
+    """The sub-chunk size of ``sub-chunk-bytes: auto`` for a partition of ``partition_bytes``
+    while ``running`` partitions (this one included) share the runtime.
+
+    A partition is cut only as far as the runtime needs sub-chunks in flight: partitions
+    that run at once already overlap each other's copies and kernels, and each cut adds
+    host work (measured on the H200: see ``overlap.yaml``).
+
+    Examples
+    --------
+    >>> MiB = 2**20
+    >>> [auto_sub_chunk_bytes(256 * MiB, n) // MiB for n in (1, 2, 3, 4, 16)]
+    [64, 128, 128, 256, 256]
+    >>> auto_sub_chunk_bytes(16 * MiB, 1) // MiB  # never below 64 MiB
+    64
+    """
+    cuts = -(-AUTO_IN_FLIGHT // max(1, running))
+    return max(AUTO_MIN_BYTES, -(-int(partition_bytes) // cuts))
 
 
 def layout(

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .engine import Action, Done, Failed, Pipeline, Stage
-from .layout import Layout, layout
+from .layout import Layout, auto_sub_chunk_bytes, layout
 from .metrics import TaskMeter, nvtx_range
 from .results import check_declared, check_like_first, check_split_extent, not_an_array
 from .runtime import Runtime
@@ -58,7 +58,7 @@ class PartitionSpec:
     ndim: int
     split_axis: int | None
     out_split_axis: int | None
-    sub_chunk_bytes: int
+    sub_chunk_bytes: int | str  # or "auto" (see layout.auto_sub_chunk_bytes)
     in_flight: int
     block_info: dict | None = None
     func_name: str = "func"
@@ -127,13 +127,18 @@ class _PartitionRun:
         for p in spec.array_positions:
             if not is_device(self.args[p]) and not isinstance(self.args[p], np.ndarray):
                 self.args[p] = np.asarray(self.args[p])
+        sub_chunk_bytes = spec.sub_chunk_bytes
+        if sub_chunk_bytes == "auto":
+            size = sum(getattr(self.args[p], "nbytes", 0) for p in spec.array_positions)
+            # This partition and those already running share the device.
+            sub_chunk_bytes = auto_sub_chunk_bytes(size, rt.counters.partitions_active + 1)
         self.lay: Layout = layout(
             self.args,
             spec.array_positions,
             spec.ndim,
             spec.split_axis,
             spec.out_split_axis,
-            spec.sub_chunk_bytes,
+            int(sub_chunk_bytes),
             self.where,
         )
         self.split = len(self.lay.plan) > 1

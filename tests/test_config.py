@@ -105,7 +105,7 @@ def test_issue_keys_are_present(defaults):
 
 # -- Options ----------------------------------------------------------------------------
 def _as_value(field: str, raw):
-    if field.endswith("bytes") or field.endswith("size"):
+    if (field.endswith("bytes") or field.endswith("size")) and raw != "auto":
         return parse_bytes(raw) if isinstance(raw, str) else raw
     return raw
 

@@ -226,7 +226,7 @@ def test_auto_runs_on_the_host_backend_without_a_gpu(monkeypatch):
 
 
 def test_large_staging_is_cut_into_pieces_for_the_copy_threads(monkeypatch):
-    """A sub-chunk of 16 MiB is staged as four 4 MiB pieces, on the copy threads."""
+    """A sub-chunk of 64 MiB is staged as four 16 MiB pieces, on the copy threads."""
     from dask_overlap.backends.host import HostBackend
 
     seen: list[tuple[int, str]] = []
@@ -239,12 +239,12 @@ def test_large_staging_is_cut_into_pieces_for_the_copy_threads(monkeypatch):
         stage(self, src, dst)
 
     monkeypatch.setattr(HostBackend, "stage", recording)
-    data = np.random.default_rng(1).random((4096, 1024), dtype=np.float32)  # 16 MiB
-    x = da.from_array(data, chunks=(4096, 1024))
+    data = np.ones((16384, 1024), dtype=np.float32)  # 64 MiB
+    x = da.from_array(data, chunks=(16384, 1024))
     with dask.config.set({"overlap.staging-threads": 4}):
-        y = dask_overlap.map_blocks(lambda b: b * 3, x, split_axis=0, sub_chunk_bytes="16MiB")
+        y = dask_overlap.map_blocks(lambda b: b * 3, x, split_axis=0, sub_chunk_bytes="64MiB")
         np.testing.assert_array_equal(y.compute(), data * 3)
-    assert sorted(n for n, _ in seen) == [4 << 20] * 4
+    assert sorted(n for n, _ in seen) == [16 << 20] * 4
     assert all("copy" in name for _, name in seen)
     assert dask_overlap.runtime_stats()["bytes_staged"] == data.nbytes
 
@@ -268,3 +268,43 @@ def test_a_stage_that_fails_when_issued_skips_the_stages_queued_after_it(monkeyp
     stats = wait_until_idle()
     assert stats["in_flight"] == 0
     assert stats["partitions_failed"] >= 1
+
+
+@pytest.mark.parametrize(
+    "partition, running, expected",
+    [
+        (256 << 20, 1, 64 << 20),  # alone: four sub-chunks in flight
+        (256 << 20, 2, 128 << 20),
+        (256 << 20, 4, 256 << 20),  # four partitions overlap: whole
+        (256 << 20, 40, 256 << 20),
+        (1 << 30, 8, 1 << 30),
+        (16 << 20, 1, 64 << 20),  # never below 64 MiB: not cut at all
+        (0, 1, 64 << 20),
+    ],
+)
+def test_auto_sub_chunks_cut_only_as_far_as_the_running_partitions_need(
+    partition, running, expected
+):
+    from dask_overlap.layout import auto_sub_chunk_bytes
+
+    assert auto_sub_chunk_bytes(partition, running) == expected
+
+
+def test_auto_sub_chunks_follow_the_partitions_running(monkeypatch):
+    """With ``sub-chunk-bytes: auto`` a partition that runs alone is cut in four; one that
+    starts beside three others is not cut."""
+    from dask_overlap import layout
+
+    monkeypatch.setattr(layout, "AUTO_MIN_BYTES", 1024)
+    a = np.arange(64 * 128, dtype=np.float64).reshape(64, 128)  # one partition of 64 KiB
+    x = da.from_array(a, chunks=(64, 128))
+    rt = dask_overlap.get_runtime()
+    for others, subs in ((0, 4), (3, 1)):
+        before = rt.stats()["sub_chunks"]
+        rt.counters.add(partitions_active=others)
+        try:
+            y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes="auto")
+            np.testing.assert_array_equal(y.compute(), -a)
+        finally:
+            rt.counters.add(partitions_active=-others)
+        assert rt.stats()["sub_chunks"] - before == subs
