@@ -59,6 +59,11 @@ def comma_list(text: str, parse: Callable[[str], Any]) -> list:
     return [parse(t) for t in str(text).split(",") if t]
 
 
+def show_bytes(n: int | str) -> str:
+    """A byte count for people (``auto`` and other words as they are)."""
+    return n if isinstance(n, str) else format_bytes(n)
+
+
 def same_chunks(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     """Element-by-element equality of two lists of chunks."""
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
@@ -308,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
         print(
-            f"  sub-chunk {format_bytes(runs[-1]['sub_chunk_bytes']):>9} in_flight "
+            f"  sub-chunk {show_bytes(runs[-1]['sub_chunk_bytes']):>9} in_flight "
             f"{runs[-1]['in_flight']:>2} threads {t:>2}: {runs[-1]['gbps']:7.2f} GB/s "
             f"({runs[-1]['overlap_over_bound']:.3f} of bound) busy "
             + " ".join(f"{k}={v:.2f}" for k, v in busy.items())
@@ -358,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"backend={backend} workload={args.workload} input={result['input']} "
         f"size={format_bytes(nbytes)} partition={format_bytes(result['partition_bytes'])} "
-        f"partitions={n_parts} sub-chunk={format_bytes(top['sub_chunk_bytes'])} "
+        f"partitions={n_parts} sub-chunk={show_bytes(top['sub_chunk_bytes'])} "
         f"in_flight={top['in_flight']}"
     )
     for label, gbps in rows_out:
