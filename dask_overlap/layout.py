@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -74,7 +75,7 @@ class Layout:
         dims = list(shape)
         if self.out_axis is not None and len(self.plan) > 1:
             dims[self.out_axis] = self.plan.sub_chunks[i].extent
-        return int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return math.prod(dims) * np.dtype(dtype).itemsize
 
     def block_info(self, info: dict | None, i: int) -> dict | None:
         """The partition's ``block_info``, narrowed to sub-chunk ``i``."""

@@ -84,6 +84,7 @@ class _Sub:
     __slots__ = (
         "d2h_bytes",
         "dest",
+        "fallbacks",
         "device",
         "h2d_bytes",
         "inputs",
@@ -102,6 +103,7 @@ class _Sub:
         self.to_stage = to_stage
         self.h2d_bytes = h2d_bytes
         self.d2h_bytes = 0
+        self.fallbacks = 0  # buffers that went through pageable memory (no ring room)
         self.res: Any = None  # the ring reservation
         self.ring_out: Any = None  # the result's copy in the ring, until unstaged
         self.dest: Any = None  # where unstaging puts it
@@ -151,8 +153,11 @@ class _PartitionRun:
         self._out_lock = threading.Lock()
         self.used_streams: dict[int, Any] = {}
         self.failed: set[int] = set()
-        self.fallbacks = 0
+        self.fallbacks = 0  # of the partition's own output (out="pinned"), under _out_lock
         self.ring_full = 0
+        # Tallies of this partition, flushed into the runtime's counters once, at its end
+        # (one locked update, not one per stage); kept by the driver thread only.
+        self.tally = dict.fromkeys(("bytes_staged", "bytes_h2d", "bytes_d2h", "bytes_unstaged"), 0)
         self.meter = TaskMeter(spec.key, self.backend.name, rt, spec.in_flight)
 
     def _new_sub(self, i: int, pinned: list[bool]) -> _Sub:
@@ -181,7 +186,10 @@ class _PartitionRun:
     def _ring_need(self, i: int) -> int:
         """Ring bytes sub-chunk ``i`` reserves: its staged inputs and its copied-out result."""
         sub, charge = self.subs[i], self.pool.charge
-        need = sum(charge(x.nbytes) for x, s in zip(sub.inputs, sub.to_stage, strict=True) if s)
+        need = 0
+        for x, staged in zip(sub.inputs, sub.to_stage, strict=True):
+            if staged:
+                need += charge(x.nbytes)
         if self.spec.out == "host":  # ("pinned" results go to a block of their own)
             out = self.lay.expected_out_bytes(i, self.spec.out_shape, self.spec.out_dtype)
             # Unknown (an extent Dask does not know): as many bytes as came in.
@@ -224,7 +232,6 @@ class _PartitionRun:
             unstaged=self.spec.out != "device",
             admit=self._admit,
         )
-        counters.add(sub_chunks=n)
         in_flight = 0
         waited = 0.0
         try:
@@ -254,11 +261,17 @@ class _PartitionRun:
                     self._finished(event)
                 actions = pipe.handle(event)
         finally:
-            counters.add(in_flight=-in_flight, backpressure_seconds=waited)
+            fallbacks = self.fallbacks + sum(sub.fallbacks for sub in self.subs)
+            counters.add(
+                sub_chunks=n,
+                in_flight=-in_flight,
+                backpressure_seconds=waited,
+                pinned_fallbacks=fallbacks,
+                ring_full=self.ring_full,
+                **self.tally,
+            )
             counters.add_max(max_window=pipe.max_in_flight)
-            if self.fallbacks or self.ring_full:
-                counters.add(pinned_fallbacks=self.fallbacks, ring_full=self.ring_full)
-                self.meter.fallback(self.fallbacks)
+            self.meter.fallback(fallbacks)
             if pipe.error is not None or not pipe.done:
                 # Nothing is dropped before the streams are done with it.
                 self._wait_streams()
@@ -305,11 +318,14 @@ class _PartitionRun:
         if event.stage == Stage.D2H:
             self._resolve_marks(sub)
             self.rt.release_stream(sub.stream)
-            self.rt.counters.add(bytes_h2d=sub.h2d_bytes, bytes_d2h=sub.d2h_bytes)
+            self.tally["bytes_h2d"] += sub.h2d_bytes
+            self.tally["bytes_d2h"] += sub.d2h_bytes
             self._off_device(sub)
             if self.spec.out == "device":
                 self._record(i)
         elif event.stage == Stage.UNSTAGE:
+            if sub.ring_out is not None:
+                self.tally["bytes_unstaged"] += sub.ring_out.nbytes
             self._record(i)
 
     # -- the stages -------------------------------------------------------------------
@@ -322,13 +338,13 @@ class _PartitionRun:
                 continue
             block = sub.res.take(x.nbytes) if sub.res is not None else None
             if block is None:
-                self.fallbacks += 1  # no room: copied straight from pageable memory
+                sub.fallbacks += 1  # no room: copied straight from pageable memory
                 continue
             dst = block.view(x.dtype).reshape(x.shape)
             sub.inputs[j] = dst  # read by the H2D, issued only once this stage is done
             copies.append((x, dst))
         nbytes = sum(src.nbytes for src, _ in copies)
-        self.rt.counters.add(bytes_staged=nbytes)
+        self.tally["bytes_staged"] += nbytes
         t0 = time.time()
 
         def done(error: BaseException | None) -> None:
@@ -372,6 +388,18 @@ class _PartitionRun:
                 marks.append(mark(stream))
                 sub.marks = marks
 
+        if not self.split:
+            # The lean path: nothing of this partition overlaps it, so the task's thread
+            # enqueues and waits itself, with no hand-off to a stream or waiter thread.
+            try:
+                stream.run(work)
+            except BaseException as e:  # func's Ctrl-C too: drained, counted, re-raised
+                self.failed.add(i)
+                self._post(Failed(sub.stage_now, i, e))
+                return
+            self._post(Done(Stage.D2H, i))
+            return
+
         def completed(error: BaseException | None) -> None:
             self._post(Failed(Stage.D2H, i, error) if error else Done(Stage.D2H, i))
 
@@ -408,7 +436,7 @@ class _PartitionRun:
             # copy from the device into fresh pageable memory is the naive path's slowest.
             block = sub.res.take(result.nbytes) if sub.res is not None else None
             if block is None:
-                self.fallbacks += 1
+                sub.fallbacks += 1
             else:
                 target = sub.ring_out = block.view(result.dtype).reshape(result.shape)
                 sub.dest = dest
@@ -432,7 +460,6 @@ class _PartitionRun:
                 self._post(Failed(Stage.UNSTAGE, i, error))
                 return
             sub.spans.append(("unstage", t0, time.time(), nbytes))
-            self.rt.counters.add(bytes_unstaged=nbytes)
             self._post(Done(Stage.UNSTAGE, i))
 
         self.rt.copies.copy(

@@ -101,10 +101,12 @@ class Runtime:
     ) -> None:
         """Keep one sub-chunk's stage spans (stage, start, end, bytes; ``time.time()``)."""
         j = self.stream_index(stream)
+        busy: dict[str, float] = {}
         for stage, start, end, nbytes in spans:
             where = -1 if stage in HOST_STAGES else j
             self.timeline.append(Span(key, sub, where, stage, start, end, nbytes))
-            self.counters.add_busy(stage, max(0.0, end - start))
+            busy[stage] = busy.get(stage, 0.0) + max(0.0, end - start)
+        self.counters.add_busy(busy)
 
     def stats(self) -> dict[str, Any]:
         """Counters plus the pools' current occupancy (see :func:`runtime_stats`)."""

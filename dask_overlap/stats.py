@@ -44,9 +44,11 @@ class Counters:
             for name, value in values.items():
                 setattr(self, name, max(getattr(self, name), value))
 
-    def add_busy(self, stage: str, seconds: float) -> None:
+    def add_busy(self, seconds: dict[str, float]) -> None:
+        """Add busy seconds per stage, under one lock."""
         with self._lock:
-            self.busy_seconds[stage] = self.busy_seconds.get(stage, 0.0) + seconds
+            for stage, s in seconds.items():
+                self.busy_seconds[stage] = self.busy_seconds.get(stage, 0.0) + s
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -308,3 +308,24 @@ def test_auto_sub_chunks_follow_the_partitions_running(monkeypatch):
         finally:
             rt.counters.add(partitions_active=-others)
         assert rt.stats()["sub_chunks"] - before == subs
+
+
+def test_a_partition_of_one_sub_chunk_runs_on_its_own_thread(monkeypatch):
+    """The lean path: a partition that is one sub-chunk enqueues and waits itself
+    (Stream.run), with no hand-off to a stream thread; a split one uses the streams."""
+    from dask_overlap.backends.host import HostStream
+
+    submitted: list[int] = []
+    submit = HostStream.submit
+
+    def counting(self, fn, on_done):
+        submitted.append(1)
+        submit(self, fn, on_done)
+
+    monkeypatch.setattr(HostStream, "submit", counting)
+    a, x = data()
+    np.testing.assert_array_equal(dask_overlap.map_blocks(np.negative, x).compute(), -a)
+    assert submitted == []
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=80)
+    np.testing.assert_array_equal(y.compute(), -a)
+    assert len(submitted) >= 24  # one per sub-chunk (and the completions behind them)

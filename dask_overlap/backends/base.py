@@ -33,6 +33,11 @@ class Stream(Protocol):
         is ordered after it. For the host stand-in ``fn`` runs on the stream's thread.
         """
 
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in this stream's order and wait, on the calling thread, until the
+        work it enqueued has completed; return its result or raise its (or the device's)
+        error. The lean path of a partition of one sub-chunk: no thread hand-off."""
+
     def on_complete(self, callback: Callable[[BaseException | None], None]) -> None:
         """Call ``callback(error)`` once all work submitted so far has *completed*.
 

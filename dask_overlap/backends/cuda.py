@@ -226,6 +226,23 @@ class CudaStream:
             return
         on_done(result, None)
 
+    def run(self, fn: Callable[[], Any]) -> Any:
+        if self._error is not None:
+            raise self._error
+        with self._device, self.cupy:
+            result = fn()
+            with self._lock:
+                event = cupy.cuda.Event(block=True, disable_timing=True)
+                event.record(self.cupy)
+                keep, self._keep = self._keep, []
+        try:
+            event.synchronize()  # blocking sync, without the GIL: no waiter-thread hop
+        except Exception as e:
+            self._error = e
+            raise
+        del keep  # the copies that read it have completed
+        return result
+
     def keep(self, obj: Any) -> None:
         """Hold ``obj`` until the next :meth:`on_complete` event has completed."""
         with self._lock:

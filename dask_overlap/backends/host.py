@@ -28,6 +28,9 @@ class HostStream:
     def __init__(self, name: str):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        # One piece of work at a time, whichever thread runs it: the stream is exclusive,
+        # as a device's in-order stream is (run() executes on the caller's thread).
+        self._busy = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -39,7 +42,8 @@ class HostStream:
                 return
             fn, on_done = item
             try:
-                result = fn()
+                with self._busy:
+                    result = fn()
             except BaseException as e:  # handed to the runner, which re-raises it
                 on_done(None, e)
             else:
@@ -64,6 +68,11 @@ class HostStream:
             on_done(None, e)
         else:
             on_done(result, None)
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        # Host work is synchronous: done when fn returns.
+        with self._busy:
+            return fn()
 
     def on_complete(self, callback: Callable[[BaseException | None], None]) -> None:
         # Work on this stream is synchronous, so "completed" is "reached in the queue".

@@ -1,0 +1,88 @@
+"""Host time per partition: dask_overlap against plain ``dask.array.map_blocks``.
+
+Tiny partitions (64 KiB by default) and a trivial function, so that what is timed is the
+per-partition path itself, not the data: on the host backend, on Dask's synchronous
+scheduler (one thread, no scheduling noise), in one process, best of ``--repeat``. Prints
+µs per partition for both and the ratio (issue 12's target: at most 1.3).
+
+Example::
+
+    python benchmarks/host_overhead.py --partitions 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import dask
+import dask.array as da
+import numpy as np
+from dask.utils import parse_bytes
+
+import dask_overlap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_overlap import write_json  # noqa: E402
+
+
+def per_partition_us(arr: da.Array, repeat: int) -> float:
+    """Best µs per partition of computing every block of ``arr`` (synchronous scheduler)."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        dask.persist(arr, scheduler="sync")
+        best = min(best, time.perf_counter() - t0)
+    return best / arr.npartitions * 1e6
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--partitions", type=int, default=2000)
+    p.add_argument("--partition", default="64KiB", help="bytes per partition (float64)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--split", action="store_true", help="dask_overlap with split_axis=0")
+    p.add_argument("--profile", type=int, default=0, help="print the top N functions")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    dask.config.set({"overlap.backend": "host"})
+    cols = 64
+    rows = max(1, parse_bytes(args.partition) // (8 * cols))
+    x = da.ones((rows * args.partitions, cols), chunks=(rows, cols)).persist(scheduler="sync")
+    plain = da.map_blocks(np.negative, x, dtype=x.dtype)
+    ours = dask_overlap.map_blocks(
+        np.negative, x, dtype=x.dtype, split_axis=0 if args.split else None
+    )
+    dask.persist(ours[: 4 * rows], plain[: 4 * rows], scheduler="sync")  # warm-up
+    plain_us = per_partition_us(plain, args.repeat)
+    ours_us = per_partition_us(ours, args.repeat)
+    result = {
+        "backend": "host",
+        "partitions": args.partitions,
+        "partition_bytes": rows * cols * 8,
+        "dask_us_per_partition": plain_us,
+        "overlap_us_per_partition": ours_us,
+        "ratio": ours_us / plain_us,
+    }
+    print(
+        f"{args.partitions} partitions of {rows * cols * 8} bytes, synchronous scheduler: "
+        f"plain Dask {plain_us:.0f} µs, dask_overlap {ours_us:.0f} µs per partition "
+        f"({result['ratio']:.2f}x)"
+    )
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        dask.persist(ours, scheduler="sync")
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
