@@ -343,20 +343,25 @@ class _PartitionRun:
             dst = block.view(x.dtype).reshape(x.shape)
             sub.inputs[j] = dst  # read by the H2D, issued only once this stage is done
             copies.append((x, dst))
+        self.tally["bytes_staged"] += sum(src.nbytes for src, _ in copies)
+        self._host_copy(i, Stage.STAGE, copies, self.backend.stage)
+
+    def _host_copy(self, i: int, stage: Stage, copies: list, fn: Callable) -> None:
+        """``copies`` of sub-chunk ``i`` on the copy threads; ``stage`` is done when all are."""
+        sub = self.subs[i]
         nbytes = sum(src.nbytes for src, _ in copies)
-        self.tally["bytes_staged"] += nbytes
         t0 = time.time()
 
         def done(error: BaseException | None) -> None:
             if error is not None:
                 self.failed.add(i)
-                self._post(Failed(Stage.STAGE, i, error))
+                self._post(Failed(stage, i, error))
                 return
-            sub.spans.append(("stage", t0, time.time(), nbytes))
-            self._post(Done(Stage.STAGE, i))
+            sub.spans.append((stage.name.lower(), t0, time.time(), nbytes))
+            self._post(Done(stage, i))
 
         # A partition of one sub-chunk has nothing of its own to overlap a small copy with.
-        self.rt.copies.copy(copies, self.backend.stage, done, inline=not self.split)
+        self.rt.copies.copy(copies, fn, done, inline=not self.split)
 
     def _device(self, i: int) -> None:
         """H2D, COMPUTE and D2H of sub-chunk ``i``, enqueued together on one stream."""
@@ -451,20 +456,7 @@ class _PartitionRun:
         if sub.ring_out is None:  # it went straight into the result
             self._post(Done(Stage.UNSTAGE, i))
             return
-        nbytes = sub.ring_out.nbytes
-        t0 = time.time()
-
-        def done(error: BaseException | None) -> None:
-            if error is not None:
-                self.failed.add(i)
-                self._post(Failed(Stage.UNSTAGE, i, error))
-                return
-            sub.spans.append(("unstage", t0, time.time(), nbytes))
-            self._post(Done(Stage.UNSTAGE, i))
-
-        self.rt.copies.copy(
-            [(sub.ring_out, sub.dest)], self.backend.unstage, done, inline=not self.split
-        )
+        self._host_copy(i, Stage.UNSTAGE, [(sub.ring_out, sub.dest)], self.backend.unstage)
 
     # -- results, output and buffers ---------------------------------------------------
     def _output_for(self, i: int, result: Any, stream: Any) -> Any:
