@@ -4,7 +4,8 @@ On NumPy it is a loop of vectorised passes. On CuPy it is one fused ``Elementwis
 whose length is an argument: a Python loop of CuPy operations would measure the host's
 kernel-launch rate (tens of microseconds a launch), not the GPU, and a real workload that
 cares about throughput launches few, long kernels. The CuPy kernel lives in this
-importable module, created on first use (see DESIGN.md on kernels defined in __main__).
+importable module, created on first use (a CuPy kernel defined in __main__ is copied when
+Dask pickles the task: see dask_overlap/backends/cuda.py, "the __main__ kernel trap").
 """
 
 from __future__ import annotations
