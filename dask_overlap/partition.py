@@ -89,6 +89,7 @@ class _Sub:
         "h2d_bytes",
         "inputs",
         "marks",
+        "need",
         "on_device",
         "res",
         "ring_out",
@@ -113,6 +114,7 @@ class _Sub:
         self.spans: list[tuple[str, float, float, int]] = []
         self.stage_now = Stage.H2D
         self.on_device = False  # counted in device_bytes_in_flight
+        self.need: int | None = None  # ring bytes it reserves, worked out once
 
 
 class _PartitionRun:
@@ -184,8 +186,11 @@ class _PartitionRun:
 
     # -- the ring ---------------------------------------------------------------------
     def _ring_need(self, i: int) -> int:
-        """Ring bytes sub-chunk ``i`` reserves: its staged inputs and its copied-out result."""
+        """Ring bytes sub-chunk ``i`` reserves: its staged inputs and its copied-out result
+        (asked again after every refused admission, so worked out once)."""
         sub, charge = self.subs[i], self.pool.charge
+        if sub.need is not None:
+            return sub.need
         need = 0
         for x, staged in zip(sub.inputs, sub.to_stage, strict=True):
             if staged:
@@ -195,6 +200,7 @@ class _PartitionRun:
             # Unknown (an extent Dask does not know): as many bytes as came in.
             out = sub.h2d_bytes if out is None else out
             need += charge(out) if out else 0
+        sub.need = need
         return need
 
     def _admit(self, i: int) -> bool:

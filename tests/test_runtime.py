@@ -329,3 +329,23 @@ def test_a_partition_of_one_sub_chunk_runs_on_its_own_thread(monkeypatch):
     y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=80)
     np.testing.assert_array_equal(y.compute(), -a)
     assert len(submitted) >= 24  # one per sub-chunk (and the completions behind them)
+
+
+def test_a_pool_block_that_fails_to_come_gives_its_room_back(monkeypatch):
+    """Any error while making a block (not only MemoryError) returns its charge: nothing
+    of the pool leaks, through allocate() or a reservation."""
+    from dask_overlap.backends.base import HostPool
+
+    pool = HostPool(1000)
+
+    def broken(self, nbytes):
+        raise RuntimeError("no block")
+
+    monkeypatch.setattr(HostPool, "_raw", broken)
+    with pytest.raises(RuntimeError, match="no block"):
+        pool.allocate(100)
+    room = pool.reserve(300)
+    with pytest.raises(RuntimeError, match="no block"):
+        room.take(200)
+    room.close()
+    assert pool.in_use == 0 and pool.held == 0

@@ -199,13 +199,18 @@ class HostPool:
             self._cond.notify_all()
 
     def _block(self, nbytes: int, charged: int, held: bool) -> np.ndarray | None:
-        """A block for bytes already charged; on failure the charge is the caller's."""
+        """A block for bytes already charged. On any failure the charge is given back
+        (not only on MemoryError: nothing leaks); ``None`` when memory was short."""
         try:
             owner, give_back = self._raw(nbytes)
+            self._owners[id(owner)] = owner
+            weakref.finalize(owner, self._release, charged, held, give_back)
         except MemoryError:
+            self._uncharge(charged, held)
             return None  # out of memory (or fragmented): the caller falls back, counted
-        self._owners[id(owner)] = owner
-        weakref.finalize(owner, self._release, charged, held, give_back)
+        except BaseException:
+            self._uncharge(charged, held)
+            raise
         with self._cond:
             self.allocations += 1
         return owner
@@ -221,13 +226,7 @@ class HostPool:
         charged = self.charge(nbytes)
         if not self._try_charge(charged, held):
             return None
-        block = None
-        try:
-            block = self._block(nbytes, charged, held)
-        finally:
-            if block is None:  # any failure, not only MemoryError, gives the bytes back
-                self._uncharge(charged, held)
-        return block
+        return self._block(nbytes, charged, held)
 
     # -- the API -------------------------------------------------------------------------
     @property
@@ -292,13 +291,7 @@ class Reservation:
             self.left = 0
         else:
             return None
-        block = None
-        try:
-            block = pool._block(nbytes, charged, False)
-        finally:
-            if block is None:
-                pool._uncharge(charged)
-        return block
+        return pool._block(nbytes, charged, False)
 
     def close(self) -> None:
         """Give back the room not taken. Idempotent."""
