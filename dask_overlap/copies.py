@@ -126,6 +126,29 @@ class Copier:
         for src, dst in work:
             self._pool.submit(piece, src, dst)
 
+    def run(
+        self, copies: list[tuple[np.ndarray, np.ndarray]], fn: Callable[[np.ndarray, np.ndarray], None]
+    ) -> None:
+        """:meth:`copy`, waited for: returns once every piece is done; raises the first error.
+
+        For a caller with nothing else to do meanwhile (a partition of one sub-chunk).
+        """
+        if not copies or sum(src.nbytes for src, _ in copies) <= INLINE_BYTES:
+            for src, dst in copies:
+                fn(src, dst)
+            return
+        done = threading.Event()
+        errors: list[BaseException | None] = []
+
+        def on_done(error: BaseException | None) -> None:
+            errors.append(error)
+            done.set()
+
+        self.copy(copies, fn, on_done, inline=False)
+        done.wait()
+        if errors[0] is not None:
+            raise errors[0]
+
     def close(self) -> None:
         """Finish the copies already submitted, then stop the threads."""
         self._pool.shutdown(wait=True)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import threading
 import time
@@ -189,16 +190,25 @@ class TaskMeter:
         for lab, unit, value in self.metrics():
             context_meter.digest_metric(lab, value, unit)
 
+    def begin(self) -> None:
+        """A partition's driver starts: its window counts in the runtime's capacity."""
+        _add_window(self.runtime, self.window)
+
+    def end(self) -> None:
+        """The partition's driver is done: its window goes, and its metrics are digested
+        (in the task's own thread: ``context_meter`` is a ContextVar)."""
+        _add_window(self.runtime, -self.window)
+        self.digest()
+
     @contextlib.contextmanager
     def task(self) -> Iterator[TaskMeter]:
-        """Around a partition's driver loop: an NVTX range, then the digest, in this thread."""
-        _add_window(self.runtime, self.window)
+        """Around a partition's driver loop: :meth:`begin`, an NVTX range, :meth:`end`."""
+        self.begin()
         try:
             with nvtx_range(self.backend, self.key):
                 yield self
         finally:
-            _add_window(self.runtime, -self.window)
-            self.digest()
+            self.end()
 
 
 # Sum of the windows of the partitions running on each runtime, by id(runtime).
@@ -259,14 +269,25 @@ def _nvtx() -> tuple[Callable[[str, int], Any], Callable[[], Any]] | None:
         return None
 
 
+#: Set in a process that Nsight Systems or Nsight Compute runs (their injection libraries).
+PROFILER_VARIABLES = ("NVTX_INJECTION64_PATH", "CUDA_INJECTION64_PATH")
+
+
+@functools.cache
+def _profiled() -> bool:
+    """Whether a profiler is attached: without one an NVTX range does nothing, but its
+    name would still be formatted, per partition and per sub-chunk."""
+    return any(os.environ.get(v) for v in PROFILER_VARIABLES)
+
+
 @contextlib.contextmanager
 def nvtx_range(
     backend: str, key: Any, sub_chunk: int | None = None, stage: str | None = None
 ) -> Iterator[None]:
     """An NVTX range named after the Dask ``key`` (and ``sub_chunk`` and ``stage``).
 
-    Only on the ``cuda`` backend, and only where ``nvtx`` or ``cupy.cuda.nvtx`` imports;
-    a no-op otherwise. The range is pushed and popped on the calling thread, around the
+    Only on the ``cuda`` backend, only under a profiler (:data:`PROFILER_VARIABLES`), and
+    only where ``nvtx`` or ``cupy.cuda.nvtx`` imports; a no-op otherwise. The range is pushed and popped on the calling thread, around the
     host calls that enqueue the work, so Nsight projects it onto the stream's GPU work.
 
     Examples
@@ -274,7 +295,7 @@ def nvtx_range(
     >>> with nvtx_range("host", ("x", 0), 3, "h2d"):  # no-op off the cuda backend
     ...     pass
     """
-    fns = _nvtx() if backend == "cuda" else None
+    fns = _nvtx() if backend == "cuda" and _profiled() else None
     if fns is None:
         yield
         return

@@ -220,6 +220,8 @@ class _PartitionRun:
 
     # -- the driver loop --------------------------------------------------------------
     def run(self) -> Any:
+        if not self.split:
+            return self._run_lean()
         counters = self.rt.counters
         counters.add(partitions=1, partitions_active=1)
         try:
@@ -227,6 +229,81 @@ class _PartitionRun:
                 return self._run()
         finally:
             counters.add(partitions_active=-1)
+
+    def _run_lean(self) -> Any:
+        """A partition of one sub-chunk: nothing of it can overlap anything else of it, so
+        the task's thread runs its stages itself, in order, with no engine, no events and
+        no hand-off to another thread (copies too large for one thread still go to the
+        copy threads). Its window is one sub-chunk; the counters, the timeline and the
+        task's metrics are fed as on the engine's path, in one locked update at the end."""
+        rt, sub, meter = self.rt, self.subs[0], self.meter
+        counters = rt.counters
+        counters.add(
+            partitions=1, partitions_active=1, in_flight=1, device_bytes_in_flight=sub.h2d_bytes
+        )
+        meter.begin()
+        stream = error = None
+        try:
+            while not self._admit(0):  # no room: this partition holds none while it waits
+                t0 = time.perf_counter()
+                self.pool.wait_for_room(self.need, _RING_POLL_SECONDS)
+                meter.backpressure += time.perf_counter() - t0
+            if any(sub.to_stage):
+                self._copy_now(sub, Stage.STAGE, self._stage_copies(0), self.backend.stage)
+            stream = sub.stream = rt.acquire_stream()
+            self.used_streams[id(stream)] = stream
+            try:
+                stream.run(self._device_work(0, stream))
+            finally:
+                rt.release_stream(stream)
+            self._resolve_marks(sub)
+            if sub.ring_out is not None:
+                self._copy_now(sub, Stage.UNSTAGE, [(sub.ring_out, sub.dest)], self.backend.unstage)
+                self.tally["bytes_unstaged"] += sub.ring_out.nbytes
+            self.tally["bytes_h2d"] += sub.h2d_bytes
+            self.tally["bytes_d2h"] += sub.d2h_bytes
+            rt.record_spans(self.spec.key, 0, stream, sub.spans)
+            meter.spans(sub.spans)
+        except BaseException as e:  # func's Ctrl-C too: drained, counted, re-raised
+            error = e
+            if stream is not None:
+                self._wait_streams()  # nothing is dropped before the stream is done with it
+            self.out = None
+        finally:
+            self._drop(0)
+            fallbacks = self.fallbacks + sub.fallbacks
+            counters.settle(
+                dict(
+                    self.tally,
+                    partitions_active=-1,
+                    partitions_failed=int(error is not None),
+                    in_flight=-1,
+                    device_bytes_in_flight=-sub.h2d_bytes,
+                    sub_chunks=1,
+                    backpressure_seconds=meter.backpressure,
+                    pinned_fallbacks=fallbacks,
+                    ring_full=self.ring_full,
+                ),
+                1,
+                meter.busy,
+            )
+            meter.fallback(fallbacks)
+            meter.end()
+        if error is not None:
+            self._raise(error)
+        return self.out
+
+    def _raise(self, error: BaseException) -> None:
+        """Re-raise a partition's failure; an out-of-memory error says where and how much."""
+        oom = self.backend.describe_oom(error)
+        if oom is not None:
+            # The original stays as __cause__ (and in the text, since a cause does not
+            # travel with a pickled exception).
+            raise MemoryError(
+                f"{self.spec.func_name} ran out of memory in {self.where}: {oom} "
+                f"({type(error).__name__}: {error})"
+            ) from error
+        raise error
 
     def _run(self) -> Any:
         counters = self.rt.counters
@@ -267,34 +344,30 @@ class _PartitionRun:
                     self._finished(event)
                 actions = pipe.handle(event)
         finally:
-            fallbacks = self.fallbacks + sum(sub.fallbacks for sub in self.subs)
-            counters.add(
-                sub_chunks=n,
-                in_flight=-in_flight,
-                backpressure_seconds=waited,
-                pinned_fallbacks=fallbacks,
-                ring_full=self.ring_full,
-                **self.tally,
-            )
-            counters.add_max(max_window=pipe.max_in_flight)
-            self.meter.fallback(fallbacks)
-            if pipe.error is not None or not pipe.done:
+            failed = pipe.error is not None or not pipe.done
+            if failed:
                 # Nothing is dropped before the streams are done with it.
                 self._wait_streams()
                 for i in range(n):
                     self._drop(i)
                 self.out = None
+            fallbacks = self.fallbacks + sum(sub.fallbacks for sub in self.subs)
+            counters.settle(
+                dict(
+                    self.tally,
+                    partitions_failed=int(pipe.error is not None),
+                    sub_chunks=n,
+                    in_flight=-in_flight,
+                    backpressure_seconds=waited,
+                    pinned_fallbacks=fallbacks,
+                    ring_full=self.ring_full,
+                ),
+                pipe.max_in_flight,
+                self.meter.busy,
+            )
+            self.meter.fallback(fallbacks)
         if pipe.error is not None:
-            counters.add(partitions_failed=1)
-            oom = self.backend.describe_oom(pipe.error)
-            if oom is not None:
-                # Say where and how much; the original stays as __cause__ (and in the text,
-                # since a cause does not travel with a pickled exception).
-                raise MemoryError(
-                    f"{self.spec.func_name} ran out of memory in {self.where}: {oom} "
-                    f"({type(pipe.error).__name__}: {pipe.error})"
-                ) from pipe.error
-            raise pipe.error
+            self._raise(pipe.error)
         return self.out
 
     def _post(self, event: Done | Failed) -> None:
@@ -337,6 +410,11 @@ class _PartitionRun:
     # -- the stages -------------------------------------------------------------------
     def _stage(self, i: int) -> None:
         """Copy sub-chunk ``i``'s pageable inputs into its ring room, in parallel pieces."""
+        self._host_copy(i, Stage.STAGE, self._stage_copies(i), self.backend.stage)
+
+    def _stage_copies(self, i: int) -> list[tuple[Any, Any]]:
+        """Sub-chunk ``i``'s staging copies, into blocks taken from its ring room (the
+        sub-chunk reads its inputs from those blocks from now on)."""
         sub = self.subs[i]
         copies = []
         for j, x in enumerate(sub.inputs):
@@ -350,10 +428,17 @@ class _PartitionRun:
             sub.inputs[j] = dst  # read by the H2D, issued only once this stage is done
             copies.append((x, dst))
         self.tally["bytes_staged"] += sum(src.nbytes for src, _ in copies)
-        self._host_copy(i, Stage.STAGE, copies, self.backend.stage)
+        return copies
+
+    def _copy_now(self, sub: _Sub, stage: Stage, copies: list, fn: Callable) -> None:
+        """``copies`` of ``sub``, done before this returns (the lean path's stages)."""
+        t0 = time.time()
+        self.rt.copies.run(copies, fn)
+        sub.spans.append((stage.name.lower(), t0, time.time(), sum(s.nbytes for s, _ in copies)))
 
     def _host_copy(self, i: int, stage: Stage, copies: list, fn: Callable) -> None:
-        """``copies`` of sub-chunk ``i`` on the copy threads; ``stage`` is done when all are."""
+        """``copies`` of sub-chunk ``i`` on the copy threads; ``stage`` is done when all are
+        (a Done event, from the thread that finished the last piece)."""
         sub = self.subs[i]
         nbytes = sum(src.nbytes for src, _ in copies)
         t0 = time.time()
@@ -366,17 +451,33 @@ class _PartitionRun:
             sub.spans.append((stage.name.lower(), t0, time.time(), nbytes))
             self._post(Done(stage, i))
 
-        # A partition of one sub-chunk has nothing of its own to overlap a small copy with.
-        self.rt.copies.copy(copies, fn, done, inline=not self.split)
+        self.rt.copies.copy(copies, fn, done, inline=False)  # the next sub-chunk overlaps it
 
     def _device(self, i: int) -> None:
-        """H2D, COMPUTE and D2H of sub-chunk ``i``, enqueued together on one stream."""
+        """H2D, COMPUTE and D2H of sub-chunk ``i``, enqueued together on one stream; its
+        completion comes back as one D2H event, from the stream's waiter."""
         sub = self.subs[i]
-        rt, backend = self.rt, self.backend
-        stream = sub.stream = rt.acquire_stream()
+        stream = sub.stream = self.rt.acquire_stream()
         self.used_streams[id(stream)] = stream
-        rt.counters.add(device_bytes_in_flight=sub.h2d_bytes)
+        self.rt.counters.add(device_bytes_in_flight=sub.h2d_bytes)
         sub.on_device = True
+
+        def completed(error: BaseException | None) -> None:
+            self._post(Failed(Stage.D2H, i, error) if error else Done(Stage.D2H, i))
+
+        def issued(_: Any, error: BaseException | None) -> None:
+            if error is not None:
+                self.failed.add(i)
+                self._post(Failed(sub.stage_now, i, error))
+            else:
+                stream.on_complete(completed)
+
+        stream.submit(self._device_work(i, stream), issued)
+
+    def _device_work(self, i: int, stream: Any) -> Callable[[], None]:
+        """What enqueues sub-chunk ``i``'s H2D, COMPUTE and D2H on ``stream``, with a mark
+        around each (run in the stream's order, by :meth:`Stream.submit` or ``run``)."""
+        sub, backend = self.subs[i], self.backend
         kwargs = self.kwargs
         if self.spec.block_info is not None:
             kwargs = dict(kwargs, block_info=self.lay.block_info(self.spec.block_info, i))
@@ -399,29 +500,7 @@ class _PartitionRun:
                 marks.append(mark(stream))
                 sub.marks = marks
 
-        if not self.split:
-            # The lean path: nothing of this partition overlaps it, so the task's thread
-            # enqueues and waits itself, with no hand-off to a stream or waiter thread.
-            try:
-                stream.run(work)
-            except BaseException as e:  # func's Ctrl-C too: drained, counted, re-raised
-                self.failed.add(i)
-                self._post(Failed(sub.stage_now, i, e))
-                return
-            self._post(Done(Stage.D2H, i))
-            return
-
-        def completed(error: BaseException | None) -> None:
-            self._post(Failed(Stage.D2H, i, error) if error else Done(Stage.D2H, i))
-
-        def issued(_: Any, error: BaseException | None) -> None:
-            if error is not None:
-                self.failed.add(i)
-                self._post(Failed(sub.stage_now, i, error))
-            else:
-                stream.on_complete(completed)
-
-        stream.submit(work, issued)
+        return work
 
     def _copy_out(self, i: int, sub: _Sub, raw: Any, stream: Any) -> None:
         """Validate ``func``'s result and enqueue its copy out (in ``stream``'s order)."""

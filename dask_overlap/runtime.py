@@ -99,14 +99,12 @@ class Runtime:
         stream: Stream | None,
         spans: list[tuple[str, float, float, int]],
     ) -> None:
-        """Keep one sub-chunk's stage spans (stage, start, end, bytes; ``time.time()``)."""
+        """Keep one sub-chunk's stage spans (stage, start, end, bytes; ``time.time()``) on
+        the timeline. (Their busy seconds reach the counters with the partition's tallies.)"""
         j = self.stream_index(stream)
-        busy: dict[str, float] = {}
+        append = self.timeline.append
         for stage, start, end, nbytes in spans:
-            where = -1 if stage in HOST_STAGES else j
-            self.timeline.append(Span(key, sub, where, stage, start, end, nbytes))
-            busy[stage] = busy.get(stage, 0.0) + max(0.0, end - start)
-        self.counters.add_busy(busy)
+            append(Span(key, sub, -1 if stage in HOST_STAGES else j, stage, start, end, nbytes))
 
     def stats(self) -> dict[str, Any]:
         """Counters plus the pools' current occupancy (see :func:`runtime_stats`)."""

@@ -39,15 +39,14 @@ class Counters:
                 setattr(self, name, getattr(self, name) + amount)
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-    def add_max(self, **values: float) -> None:
+    def settle(self, amounts: dict[str, float], window: int, busy: dict[str, float]) -> None:
+        """A partition's tallies at its end, under one lock: ``amounts`` added, the most
+        sub-chunks its window held (``window``) and its stages' busy seconds."""
         with self._lock:
-            for name, value in values.items():
-                setattr(self, name, max(getattr(self, name), value))
-
-    def add_busy(self, seconds: dict[str, float]) -> None:
-        """Add busy seconds per stage, under one lock."""
-        with self._lock:
-            for stage, s in seconds.items():
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+            self.max_window = max(self.max_window, window)
+            for stage, s in busy.items():
                 self.busy_seconds[stage] = self.busy_seconds.get(stage, 0.0) + s
 
     def snapshot(self) -> dict[str, Any]:

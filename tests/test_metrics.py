@@ -86,6 +86,10 @@ def test_nvtx_ranges_are_named_after_the_key_and_sub_chunk(monkeypatch) -> None:
     popped: list[None] = []
     fake = (lambda msg, color: pushed.append((msg, color)), lambda: popped.append(None))
     monkeypatch.setattr(metrics, "_nvtx", lambda: fake)
+    monkeypatch.setattr(metrics, "_profiled", lambda: False)
+    with metrics.nvtx_range("cuda", ("x", 1)):  # no profiler attached: nothing
+        pass
+    monkeypatch.setattr(metrics, "_profiled", lambda: True)
     with metrics.nvtx_range("host", ("x", 1)):  # not the cuda backend: nothing
         pass
     assert pushed == []
