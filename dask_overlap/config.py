@@ -129,6 +129,7 @@ class Options:
     streams: int
     staging_threads: int | str  # or "auto": see copies.auto_threads
     pinned_pool_size: int
+    direct_bytes: int  # sub-chunks that move at most this much skip the ring
     device_pool_size: int
     device_memory_resource: str
     timed: TimedModel
@@ -169,6 +170,7 @@ class Options:
             pinned_pool_size=check_bytes(
                 "pinned_pool_size", get("pinned_pool_size"), allow_zero=True
             ),
+            direct_bytes=check_bytes("direct_bytes", get("direct_bytes"), allow_zero=True),
             device_pool_size=check_bytes("device_pool_size", get("device_pool_size")),
             device_memory_resource=_check_choice(
                 "device_memory_resource", get("device_memory_resource"), DEVICE_MEMORY_RESOURCES

@@ -127,7 +127,9 @@ class Copier:
             self._pool.submit(piece, src, dst)
 
     def run(
-        self, copies: list[tuple[np.ndarray, np.ndarray]], fn: Callable[[np.ndarray, np.ndarray], None]
+        self,
+        copies: list[tuple[np.ndarray, np.ndarray]],
+        fn: Callable[[np.ndarray, np.ndarray], None],
     ) -> None:
         """:meth:`copy`, waited for: returns once every piece is done; raises the first error.
 

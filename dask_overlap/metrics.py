@@ -287,8 +287,9 @@ def nvtx_range(
     """An NVTX range named after the Dask ``key`` (and ``sub_chunk`` and ``stage``).
 
     Only on the ``cuda`` backend, only under a profiler (:data:`PROFILER_VARIABLES`), and
-    only where ``nvtx`` or ``cupy.cuda.nvtx`` imports; a no-op otherwise. The range is pushed and popped on the calling thread, around the
-    host calls that enqueue the work, so Nsight projects it onto the stream's GPU work.
+    only where ``nvtx`` or ``cupy.cuda.nvtx`` imports; a no-op otherwise. The range is
+    pushed and popped on the calling thread, around the host calls that enqueue the work,
+    so Nsight projects it onto the stream's GPU work.
 
     Examples
     --------

@@ -84,6 +84,7 @@ class _Sub:
     __slots__ = (
         "d2h_bytes",
         "dest",
+        "direct",
         "fallbacks",
         "device",
         "h2d_bytes",
@@ -115,6 +116,7 @@ class _Sub:
         self.stage_now = Stage.H2D
         self.on_device = False  # counted in device_bytes_in_flight
         self.need: int | None = None  # ring bytes it reserves, worked out once
+        self.direct = False  # small enough to skip the ring (see DIRECT_BYTES)
 
 
 class _PartitionRun:
@@ -173,7 +175,23 @@ class _PartitionRun:
             h2d += x.nbytes
             # Pinned and contiguous input is copied from directly.
             to_stage.append(x.nbytes > 0 and not (x_pinned and x.flags.c_contiguous))
-        return _Sub(inputs, to_stage, h2d)
+        sub = _Sub(inputs, to_stage, h2d)
+        if self.spec.out == "device" or not self._direct(i, h2d):
+            return sub
+        sub.to_stage = [False] * len(to_stage)
+        sub.need = 0
+        sub.direct = True
+        return sub
+
+    def _direct(self, i: int, h2d: int) -> bool:
+        """Whether sub-chunk ``i``, with ``h2d`` bytes in, is small enough to skip the ring
+        (the ``direct-bytes`` option: so small a copy costs less than staging it would); an
+        output of unknown size counts as large."""
+        limit = self.rt.options.direct_bytes
+        if h2d > limit:
+            return False
+        out = self.lay.expected_out_bytes(i, self.spec.out_shape, self.spec.out_dtype)
+        return out is not None and h2d + out <= limit
 
     def _pinned_inputs(self) -> list[bool]:
         """Per array argument, whether it is pinned host memory (slices of it are too, so
@@ -521,7 +539,7 @@ class _PartitionRun:
                 self.backend.place(stream, result, dest)
             return
         target = dest
-        if dest.nbytes and not self.pool.owns(dest):
+        if not sub.direct and dest.nbytes and not self.pool.owns(dest):
             # Into the ring first, then unstaged into ``dest`` by the copy threads: a
             # copy from the device into fresh pageable memory is the naive path's slowest.
             block = sub.res.take(result.nbytes) if sub.res is not None else None

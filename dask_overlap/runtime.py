@@ -77,10 +77,13 @@ class Runtime:
     def acquire_stream(self) -> Stream:
         """Lease the least-loaded stream of the pool (ties go round-robin)."""
         with self._lock:
-            n = len(self.streams)
+            leases, n = self._leases, len(self.streams)
             start = self._turn = (self._turn + 1) % n
-            best = min(range(start, start + n), key=lambda j: self._leases[j % n]) % n
-            self._leases[best] += 1
+            if leases[start] == 0:  # the usual case, looked up without a scan
+                best = start
+            else:
+                best = min(range(start, start + n), key=lambda j: leases[j % n]) % n
+            leases[best] += 1
             return self.streams[best]
 
     def release_stream(self, stream: Stream) -> None:

@@ -13,6 +13,14 @@ import pytest
 import dask_overlap
 
 
+@pytest.fixture
+def ring_only() -> Iterator[None]:
+    """Every sub-chunk through the pinned ring, however small (``direct-bytes: 0``): for
+    tests of the ring that use tiny arrays, which would otherwise skip it."""
+    with dask.config.set({"overlap.direct-bytes": 0}):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def fresh_runtime() -> Iterator[None]:
     """Close this process's runtimes around each test.

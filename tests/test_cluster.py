@@ -29,7 +29,10 @@ from dask_overlap.cluster import (
 )
 from dask_overlap.plugin import resolve_options, worker_runtime
 
-PLUGIN_OPTIONS = dict(backend="host", pinned_pool_size="64MiB", in_flight=2, streams=2)
+# Tiny arrays, through the ring all the same (direct_bytes=0).
+PLUGIN_OPTIONS = dict(
+    backend="host", pinned_pool_size="64MiB", in_flight=2, streams=2, direct_bytes=0
+)
 CLUSTER_KW: dict[str, Any] = dict(dashboard_address=None, worker_dashboard_address=None)
 
 

@@ -29,7 +29,8 @@ STAGE_LABELS = (
 # Half of this pool (what pinned results may keep) is smaller than one partition's output:
 # with out="pinned" every output falls back to an ordinary array (counted), while the
 # ring's half still holds a 16 KiB sub-chunk's way in and out.
-PLUGIN = dict(backend="host", pinned_pool_size="64KiB", in_flight=2, streams=2)
+# Tiny arrays, through the ring all the same (direct_bytes=0).
+PLUGIN = dict(backend="host", pinned_pool_size="64KiB", in_flight=2, streams=2, direct_bytes=0)
 
 
 def double(b: np.ndarray) -> np.ndarray:

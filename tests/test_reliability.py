@@ -32,9 +32,13 @@ from support import kill_a_busy_worker, poll
 import dask_overlap
 from dask_overlap import OverlapPlugin, runtime_stats
 
+# These tests watch the ring with tiny arrays: every sub-chunk goes through it.
+pytestmark = pytest.mark.usefixtures("ring_only")
+
 CLUSTER_KW: dict[str, Any] = dict(dashboard_address=None, worker_dashboard_address=None)
 POOL = 1 << 20  # the workers' pinned pool
-PLUGIN = dict(backend="host", pinned_pool_size=POOL, in_flight=2, streams=2)
+# Tiny arrays, through the ring all the same (direct_bytes=0).
+PLUGIN = dict(backend="host", pinned_pool_size=POOL, in_flight=2, streams=2, direct_bytes=0)
 
 
 def same_bits(got: np.ndarray, expected: np.ndarray) -> None:

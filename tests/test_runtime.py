@@ -10,6 +10,9 @@ from conftest import wait_until_idle
 
 import dask_overlap
 
+# These tests watch the ring with tiny arrays: every sub-chunk goes through it.
+pytestmark = pytest.mark.usefixtures("ring_only")
+
 REQUIRED = {
     "backend",
     "partitions",
