@@ -1,108 +1,118 @@
-"""Where a small partition's host time goes: microseconds per 16 MiB partition on the GPU.
+"""Small partitions against the bound: throughput and host time per partition.
 
-128 partitions of 16 MiB (2 GiB, already pinned), the benchmark's balanced kernel, best of
-three runs of each:
+Issue 12's GPU benchmark. For each partition size, in one process: the balanced workload
+on pinned input, every other setting at its default (results are ordinary arrays, filled
+through the ring, or straight for sub-chunks under ``direct-bytes``), through
+:func:`bench_overlap.main` (its ceilings, its bound, its check against the naive path).
+Per size it reports ``overlap_gbps``, ``bound_gbps``, ``overlap_over_bound`` and
+``host_us_per_partition``: the process's CPU time over the best run (every thread: the
+task threads, the copy threads, the stream waiters), per partition.
 
-- a bare CuPy loop (no Dask, no dask_overlap) on 1 and on 4 streams: the floor that one
-  Python thread enqueuing H2D, kernel and D2H can reach;
-- ``dask_overlap.map_blocks`` with the synchronous scheduler and 1 and 4 threads, then 4
-  threads with a 0.1 ms GIL switch interval and with the garbage collector disabled;
-- ``dask.array.map_blocks`` of ``b + 1`` on the host with 4 threads (this includes
-  NumPy's own work on 16 MiB, so it is not a measure of Dask's overhead alone).
+``--direct-off`` runs the sizes at or under ``direct-bytes`` a second time with
+``direct-bytes: 0`` (every sub-chunk through the ring), to show what skipping it gains.
+``--profile`` prints the top functions of one run at the first size (cProfile; the task
+threads are not profiled by it, so the synchronous scheduler runs that one).
 
-Run on the device: ``python3 benchmarks/small_partitions.py`` (figures in
-``results/REPORT-cuda.md``).
+Example (on the GPU machine)::
+
+    python3 benchmarks/small_partitions.py --json benchmarks/results/small-partitions.json
 """
 
 from __future__ import annotations
 
-import gc
+import argparse
+import cProfile
 import os
+import pstats
 import sys
-import time
-from collections.abc import Callable
 
-import cupy as cp
 import dask
-import dask.array
-import numpy as np
-
-import dask_overlap
+from dask.utils import format_bytes, parse_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import array_of_views  # noqa: E402
-from kernels import make_kernel  # noqa: E402
+from bench_overlap import main as bench  # noqa: E402
+from bench_overlap import write_json
 
-dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": "6GiB"})
-rt = dask_overlap.get_runtime("cuda")
-P = 16 << 20
-rows = (2 << 30) // 4096
-blk = rt.backend.pinned.allocate(rows * 4096)
-host = blk.view(np.float32).reshape(rows, 1024)
-host[...] = 1
-x = array_of_views(host, P // 4096)
-n = x.npartitions
-f = make_kernel(1961)  # the balanced kernel of the benchmark's 16 MiB case
-y = dask_overlap.map_blocks(f, x, split_axis=0, dtype=np.float32)
-dask.persist(y, scheduler="threads")
+#: Partition size -> total input bytes (enough partitions to reach a steady state).
+SIZES = {"256MiB": "4GiB", "16MiB": "2GiB", "4MiB": "1GiB", "1MiB": "512MiB", "256KiB": "128MiB"}
 
 
-def per_part(label: str, fn: Callable[[], object]) -> None:
-    best = 1e9
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    print(
-        f"{label:<48} {best / n * 1e6:7.0f} us/partition  {2**31 / best / 1e9:6.2f} GB/s",
-        flush=True,
-    )
+def case(partition: str, size: str, args: argparse.Namespace) -> dict:
+    argv = [
+        "--backend", args.backend, "--workload", "balanced", "--pinned-input",
+        "--size", size, "--partition", partition, "--threads", args.threads,
+        "--repeat", str(args.repeat),
+    ]  # fmt: skip
+    r = bench(argv)
+    return {
+        "partition_bytes": r["partition_bytes"],
+        "partitions": r["partitions"],
+        "threads": r["threads"],
+        "overlap_gbps": r["overlap_gbps"],
+        "bound_gbps": r["bound_gbps"],
+        "bound_stage": r["bound_stage"],
+        "overlap_over_bound": r["overlap_over_bound"],
+        "host_us_per_partition": r["overlap_cpu_seconds"] / r["partitions"] * 1e6,
+        "naive_gbps": r["naive_gbps"],
+        "correct": r["correct"],
+    }
 
 
-outs = [rt.backend.pinned.allocate(P).view(np.float32) for _ in range(4)]
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="cuda", choices=["cuda", "host", "timed"])
+    p.add_argument("--sizes", default=",".join(SIZES), help="partition sizes, a comma list")
+    p.add_argument("--threads", default="4,8", help="Dask threads, a comma list (best kept)")
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--direct-off", action="store_true", help="also run with direct-bytes 0")
+    p.add_argument("--profile", type=int, default=0, help="print the top N functions")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    result: dict = {"device": device_name(args.backend), "sizes": {}}
+    for part in sizes:
+        size = SIZES.get(part) or format_bytes(parse_bytes(part) * 256).replace(" ", "")
+        result["sizes"][part] = row = case(part, size, args)
+        if args.direct_off and parse_bytes(part) * 2 <= parse_bytes(
+            str(dask.config.get("overlap.direct-bytes"))
+        ):
+            with dask.config.set({"overlap.direct-bytes": 0}):
+                row["through_the_ring"] = case(part, size, args)
+    print(f"\n{result['device']}: balanced, pinned input, default settings")
+    print(f"{'partition':>10} {'GB/s':>7} {'bound':>7} {'of bound':>9} {'host us/part':>13}")
+    for part, r in result["sizes"].items():
+        for label, x in ((part, r), (" ring", r.get("through_the_ring"))):
+            if x is not None:
+                print(
+                    f"{label:>10} {x['overlap_gbps']:7.2f} {x['bound_gbps']:7.2f} "
+                    f"{x['overlap_over_bound']:9.3f} {x['host_us_per_partition']:13.0f}"
+                )
+    if args.profile:
+        profile(sizes[0], SIZES.get(sizes[0], "1GiB"), args)
+    write_json(args.json, result)
+    return result
 
 
-def bare(streams: int = 1) -> None:
-    ss = [cp.cuda.Stream(non_blocking=True) for _ in range(streams)]
-    ev = []
-    for k in range(n):
-        st = ss[k % streams]
-        with st:
-            d = cp.empty((P // 4,), cp.float32)
-            cp.cuda.runtime.memcpyAsync(d.data.ptr, host.ctypes.data + k * P, P, 1, st.ptr)
-            r = f(d)
-            cp.cuda.runtime.memcpyAsync(outs[k % 4].ctypes.data, r.data.ptr, P, 2, st.ptr)
-            e = cp.cuda.Event(block=True, disable_timing=True)
-            e.record(st)
-            ev.append(e)
-        if len(ev) > streams:
-            ev.pop(0).synchronize()
-    for e in ev:
-        e.synchronize()
+def profile(partition: str, size: str, args: argparse.Namespace) -> None:
+    """cProfile of one run of the first size on the synchronous scheduler (one thread, so
+    that the profiler sees the tasks; the copy threads and stream waiters it does not)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    bench(["--backend", args.backend, "--workload", "balanced", "--pinned-input",
+           "--size", size, "--partition", partition, "--threads", "0"])  # fmt: skip
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
 
 
-per_part("bare CuPy loop, 1 stream, no Dask", bare)
-per_part("bare CuPy loop, 4 streams, no Dask", lambda: bare(4))
-per_part("dask_overlap, sync scheduler", lambda: dask.persist(y, scheduler="sync"))
-for t in (1, 4):
-    per_part(
-        f"dask_overlap, {t} threads",
-        lambda t=t: dask.persist(y, scheduler="threads", num_workers=t),
-    )
-sys.setswitchinterval(1e-4)
-per_part(
-    "dask_overlap, 4 threads, switchinterval 0.1 ms",
-    lambda: dask.persist(y, scheduler="threads", num_workers=4),
-)
-sys.setswitchinterval(0.005)
-gc.disable()
-per_part(
-    "dask_overlap, 4 threads, gc disabled",
-    lambda: dask.persist(y, scheduler="threads", num_workers=4),
-)
-gc.enable()
-plain = dask.array.map_blocks(lambda b: b + 1, x, dtype=np.float32)
-per_part(
-    "plain dask.array.map_blocks (host b+1), 4 threads",
-    lambda: dask.persist(plain, scheduler="threads", num_workers=4),
-)
+def device_name(backend: str) -> str:
+    if backend != "cuda":
+        return f"{backend} backend ({os.cpu_count()} cores)"
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+
+if __name__ == "__main__":
+    main()
