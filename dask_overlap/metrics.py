@@ -138,7 +138,6 @@ class TaskMeter:
         self.nbytes: dict[str, int] = {}
         self.backpressure = 0.0
         self._fallbacks = 0
-        self._lock = threading.Lock()
 
     def waited(self, stage: Any, seconds: float, blocked: bool) -> None:
         """The task's thread waited ``seconds`` for ``stage`` (or, ``blocked``, for a slot)."""
@@ -156,10 +155,8 @@ class TaskMeter:
             self.nbytes[stage] = self.nbytes.get(stage, 0) + n
 
     def fallback(self, n: int = 1) -> None:
-        """``n`` buffers fell back to ordinary memory (any thread)."""
-        if n:
-            with self._lock:
-                self._fallbacks += n
+        """``n`` buffers fell back to ordinary memory."""
+        self._fallbacks += n
 
     def metrics(self) -> list[tuple[str, str, float]]:
         """``(label, unit, value)`` of every non-zero metric so far."""
@@ -174,9 +171,8 @@ class TaskMeter:
         for stage, n in self.nbytes.items():
             if n and stage != "compute":  # bytes moved, not bytes a kernel read
                 out.append((label(stage), "bytes", n))
-        with self._lock:
-            if self._fallbacks:
-                out.append(("overlap-pinned-fallback", "count", self._fallbacks))
+        if self._fallbacks:
+            out.append(("overlap-pinned-fallback", "count", self._fallbacks))
         return [m for m in out if m[2]]
 
     def digest(self) -> None:
@@ -187,6 +183,9 @@ class TaskMeter:
             return
         from distributed.metrics import context_meter
 
+        listeners = getattr(context_meter, "_callbacks", None)  # a ContextVar of a dict
+        if listeners is not None and not listeners.get():
+            return  # nobody listens here (not in a worker's task): spare building them
         for lab, unit, value in self.metrics():
             context_meter.digest_metric(lab, value, unit)
 
@@ -280,10 +279,9 @@ def _profiled() -> bool:
     return any(os.environ.get(v) for v in PROFILER_VARIABLES)
 
 
-@contextlib.contextmanager
 def nvtx_range(
     backend: str, key: Any, sub_chunk: int | None = None, stage: str | None = None
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """An NVTX range named after the Dask ``key`` (and ``sub_chunk`` and ``stage``).
 
     Only on the ``cuda`` backend, only under a profiler (:data:`PROFILER_VARIABLES`), and
@@ -296,10 +294,17 @@ def nvtx_range(
     >>> with nvtx_range("host", ("x", 0), 3, "h2d"):  # no-op off the cuda backend
     ...     pass
     """
-    fns = _nvtx() if backend == "cuda" and _profiled() else None
-    if fns is None:
-        yield
-        return
+    if backend != "cuda" or not _profiled() or _nvtx() is None:
+        return _NO_RANGE  # as cheap as a context manager gets: called per sub-chunk
+    return _range(key, sub_chunk, stage)
+
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _range(key: Any, sub_chunk: int | None, stage: str | None) -> Iterator[None]:
+    fns = _nvtx()
     name = str(key) if sub_chunk is None else f"{key} #{sub_chunk} {stage}"
     fns[0](name, _COLORS.get(stage, _COLORS[None]))
     try:

@@ -134,7 +134,9 @@ class _PartitionRun:
             if not is_device(self.args[p]) and not isinstance(self.args[p], np.ndarray):
                 self.args[p] = np.asarray(self.args[p])
         sub_chunk_bytes = spec.sub_chunk_bytes
-        if sub_chunk_bytes == "auto":
+        if spec.split_axis is None:
+            sub_chunk_bytes = 0  # not cut: the size does not matter
+        elif sub_chunk_bytes == "auto":
             size = sum(getattr(self.args[p], "nbytes", 0) for p in spec.array_positions)
             # This partition and those already running share the device.
             sub_chunk_bytes = auto_sub_chunk_bytes(size, rt.counters.partitions_active + 1)
@@ -149,8 +151,8 @@ class _PartitionRun:
         )
         self.split = len(self.lay.plan) > 1
         self.events: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
-        pinned = self._pinned_inputs()
-        self.subs = [self._new_sub(i, pinned) for i in range(len(self.lay.plan))]
+        self._pinned: list[bool] | None = None  # see _pinned_inputs
+        self.subs = [self._new_sub(i) for i in range(len(self.lay.plan))]
         self.need = 0  # ring bytes the next sub-chunk waits for, while the engine stalls
         self.out: Any = None
         self.out_ready: Any = None  # out="device": a mark made after allocating self.out
@@ -164,24 +166,20 @@ class _PartitionRun:
         self.tally = dict.fromkeys(("bytes_staged", "bytes_h2d", "bytes_d2h", "bytes_unstaged"), 0)
         self.meter = TaskMeter(spec.key, self.backend.name, rt, spec.in_flight)
 
-    def _new_sub(self, i: int, pinned: list[bool]) -> _Sub:
+    def _new_sub(self, i: int) -> _Sub:
         inputs = self.lay.inputs(self.args, i)
-        is_device = self.backend.is_device
-        to_stage, h2d = [], 0
-        for x, x_pinned in zip(inputs, pinned, strict=True):
-            if is_device(x):
-                to_stage.append(False)
-                continue
-            h2d += x.nbytes
-            # Pinned and contiguous input is copied from directly.
-            to_stage.append(x.nbytes > 0 and not (x_pinned and x.flags.c_contiguous))
-        sub = _Sub(inputs, to_stage, h2d)
-        if self.spec.out == "device" or not self._direct(i, h2d):
+        on_device = [self.backend.is_device(x) for x in inputs]
+        h2d = sum(x.nbytes for x, dev in zip(inputs, on_device, strict=True) if not dev)
+        if self.spec.out != "device" and self._direct(i, h2d):
+            sub = _Sub(inputs, [False] * len(inputs), h2d)
+            sub.need, sub.direct = 0, True
             return sub
-        sub.to_stage = [False] * len(to_stage)
-        sub.need = 0
-        sub.direct = True
-        return sub
+        to_stage = [
+            # Pinned and contiguous input is copied from directly.
+            not dev and x.nbytes > 0 and not (pinned and x.flags.c_contiguous)
+            for x, dev, pinned in zip(inputs, on_device, self._pinned_inputs(), strict=True)
+        ]
+        return _Sub(inputs, to_stage, h2d)
 
     def _direct(self, i: int, h2d: int) -> bool:
         """Whether sub-chunk ``i``, with ``h2d`` bytes in, is small enough to skip the ring
@@ -195,7 +193,13 @@ class _PartitionRun:
 
     def _pinned_inputs(self) -> list[bool]:
         """Per array argument, whether it is pinned host memory (slices of it are too, so
-        the question, a driver call on CUDA, is asked once per argument)."""
+        the question, a driver call on CUDA, is asked once per argument, and only when a
+        sub-chunk goes through the ring)."""
+        if self._pinned is None:
+            self._pinned = self._ask_pinned()
+        return self._pinned
+
+    def _ask_pinned(self) -> list[bool]:
         is_device, is_pinned = self.backend.is_device, self.backend.is_pinned
         return [
             not is_device(a) and a.nbytes > 0 and is_pinned(a)

@@ -44,7 +44,8 @@ class Counters:
         sub-chunks its window held (``window``) and its stages' busy seconds."""
         with self._lock:
             for name, amount in amounts.items():
-                setattr(self, name, getattr(self, name) + amount)
+                if amount:
+                    setattr(self, name, getattr(self, name) + amount)
             self.max_window = max(self.max_window, window)
             for stage, s in busy.items():
                 self.busy_seconds[stage] = self.busy_seconds.get(stage, 0.0) + s
