@@ -152,7 +152,7 @@ class _PartitionTask:
             sub_chunk_bytes=self.sub_chunk_bytes,
             in_flight=self.in_flight,
             block_info=block_info,
-            func_name=funcname(self.func),
+            func_name=self.name,
             out_shape=out_shape,
             out_dtype=self.out_dtype,
             out=self.out,

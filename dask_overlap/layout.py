@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -117,6 +118,13 @@ def auto_sub_chunk_bytes(partition_bytes: int, running: int) -> int:
     return max(AUTO_MIN_BYTES, -(-int(partition_bytes) // cuts))
 
 
+@functools.lru_cache(maxsize=256)
+def _whole(extent: int, positions: tuple[int, ...]) -> Layout:
+    """The layout of a partition that is not cut (one per extent, made once: it is
+    frozen, and a task of small partitions would otherwise spend microseconds on it)."""
+    return Layout(plan_sub_chunks(extent, 0, 0, None), dict.fromkeys(positions), None)
+
+
 def layout(
     args: list[Any],
     positions: tuple[int, ...],
@@ -130,8 +138,7 @@ def layout(
     input ``ndim``, as Dask aligns them); ``where`` names the partition in errors."""
     if split_axis is None:
         first = args[positions[0]] if positions else None
-        extent = first.shape[0] if first is not None and first.ndim else 1
-        return Layout(plan_sub_chunks(extent, 0, 0, None), dict.fromkeys(positions), None)
+        return _whole(first.shape[0] if first is not None and first.ndim else 1, positions)
     k = split_axis
     # Dask aligns blocks by position, not shape: inputs may disagree along k. Only an
     # extent of 1 broadcasts; any other mismatch cannot be cut into common sub-chunks.

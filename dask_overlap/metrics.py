@@ -114,9 +114,6 @@ class TaskMeter:
         The partition's Dask key.
     backend
         Name of the runtime's backend (``"cuda"``, ``"host"``, ``"timed"``).
-    runtime, window
-        The runtime the partition runs on and its window (``in_flight``): while it runs,
-        the window counts in the runtime's ``window_capacity`` (see :func:`worker_metrics`).
 
     Examples
     --------
@@ -128,11 +125,9 @@ class TaskMeter:
      ('overlap-h2d', 'bytes', 100)]
     """
 
-    def __init__(self, key: Any, backend: str, runtime: Runtime | None = None, window: int = 0):
+    def __init__(self, key: Any, backend: str):
         self.key = key
         self.backend = backend
-        self.runtime = runtime
-        self.window = window
         self.blocked: dict[str, float] = {}
         self.busy: dict[str, float] = {}
         self.nbytes: dict[str, int] = {}
@@ -189,41 +184,15 @@ class TaskMeter:
         for lab, unit, value in self.metrics():
             context_meter.digest_metric(lab, value, unit)
 
-    def begin(self) -> None:
-        """A partition's driver starts: its window counts in the runtime's capacity."""
-        _add_window(self.runtime, self.window)
-
-    def end(self) -> None:
-        """The partition's driver is done: its window goes, and its metrics are digested
-        (in the task's own thread: ``context_meter`` is a ContextVar)."""
-        _add_window(self.runtime, -self.window)
-        self.digest()
-
     @contextlib.contextmanager
     def task(self) -> Iterator[TaskMeter]:
-        """Around a partition's driver loop: :meth:`begin`, an NVTX range, :meth:`end`."""
-        self.begin()
+        """Around a partition's driver loop: an NVTX range, then :meth:`digest`, in this
+        thread (``context_meter`` is a ContextVar)."""
         try:
             with nvtx_range(self.backend, self.key):
                 yield self
         finally:
-            self.end()
-
-
-# Sum of the windows of the partitions running on each runtime, by id(runtime).
-_windows: dict[int, int] = {}
-_windows_lock = threading.Lock()
-
-
-def _add_window(rt: Runtime | None, n: int) -> None:
-    if rt is None or not n:
-        return
-    with _windows_lock:
-        left = _windows.get(id(rt), 0) + n
-        if left:
-            _windows[id(rt)] = left
-        else:
-            _windows.pop(id(rt), None)
+            self.digest()
 
 
 # -- NVTX -------------------------------------------------------------------------------
@@ -364,11 +333,9 @@ def worker_metrics(rt: Runtime, now: float | None = None) -> dict[str, Any]:
             moved[s.stage] += s.nbytes
         busy += max(0.0, s.end - s.start)
     wall = _union([(max(s.start, now - RATE_WINDOW), s.end) for s in spans])
-    with _windows_lock:
-        capacity = _windows.get(id(rt), 0) or rt.options.in_flight
     out.update(
         device_pool_size=rt.options.device_pool_size,
-        window_capacity=capacity,
+        window_capacity=out["window_capacity"] or rt.options.in_flight,
         h2d_bytes_per_second=moved["h2d"] / RATE_WINDOW,
         d2h_bytes_per_second=moved["d2h"] / RATE_WINDOW,
         overlap_efficiency=(busy / wall) if wall > 0 else 0.0,

@@ -45,7 +45,7 @@ OUT_MODES = ("host", "pinned", "device")
 _RING_POLL_SECONDS = 1.0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # one per task: slots, not frozen, are cheap to make
 class PartitionSpec:
     """What one partition task knows besides its arguments.
 
@@ -164,7 +164,10 @@ class _PartitionRun:
         # Tallies of this partition, flushed into the runtime's counters once, at its end
         # (one locked update, not one per stage); kept by the driver thread only.
         self.tally = dict.fromkeys(("bytes_staged", "bytes_h2d", "bytes_d2h", "bytes_unstaged"), 0)
-        self.meter = TaskMeter(spec.key, self.backend.name, rt, spec.in_flight)
+        self.meter = TaskMeter(spec.key, self.backend.name)
+        # Sub-chunks this partition may have in flight at once; while it runs, they count
+        # in the runtime's window_capacity.
+        self.window = min(spec.in_flight, len(self.subs))
 
     def _new_sub(self, i: int) -> _Sub:
         inputs = self.lay.inputs(self.args, i)
@@ -245,12 +248,12 @@ class _PartitionRun:
         if not self.split:
             return self._run_lean()
         counters = self.rt.counters
-        counters.add(partitions=1, partitions_active=1)
+        counters.add(partitions=1, partitions_active=1, window_capacity=self.window)
         try:
             with self.meter.task():  # digests in this thread: context_meter is a ContextVar
                 return self._run()
         finally:
-            counters.add(partitions_active=-1)
+            counters.add(partitions_active=-1, window_capacity=-self.window)
 
     def _run_lean(self) -> Any:
         """A partition of one sub-chunk: nothing of it can overlap anything else of it, so
@@ -261,9 +264,12 @@ class _PartitionRun:
         rt, sub, meter = self.rt, self.subs[0], self.meter
         counters = rt.counters
         counters.add(
-            partitions=1, partitions_active=1, in_flight=1, device_bytes_in_flight=sub.h2d_bytes
+            partitions=1,
+            partitions_active=1,
+            window_capacity=1,
+            in_flight=1,
+            device_bytes_in_flight=sub.h2d_bytes,
         )
-        meter.begin()
         stream = error = None
         try:
             while not self._admit(0):  # no room: this partition holds none while it waits
@@ -298,6 +304,7 @@ class _PartitionRun:
                 dict(
                     self.tally,
                     partitions_active=-1,
+                    window_capacity=-1,
                     partitions_failed=int(error is not None),
                     in_flight=-1,
                     device_bytes_in_flight=-sub.h2d_bytes,
@@ -310,7 +317,7 @@ class _PartitionRun:
                 meter.busy,
             )
             meter.fallback(fallbacks)
-            meter.end()
+            meter.digest()  # in this thread: context_meter is a ContextVar
         if error is not None:
             self._raise(error)
         return self.out

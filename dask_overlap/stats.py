@@ -27,6 +27,7 @@ class Counters:
     pinned_fallbacks: int = 0
     ring_full: int = 0  # admissions the pinned ring refused for want of room (then waited)
     device_bytes_in_flight: int = 0
+    window_capacity: int = 0  # sub-chunks the windows of the running partitions admit
     backpressure_seconds: float = 0.0
     busy_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     _lock: threading.Lock = dataclasses.field(
