@@ -3,7 +3,7 @@
 # timeline, the cluster benchmark, the demo and a dashboard snapshot. Logs and JSON go to
 # $OUT (default ./bench-out), in few files (the device returns at most 8).
 #
-#   bash ci/gpu.sh [all|default|tests|bench|timeline|cluster|demo|dashboard|trap]...
+#   bash ci/gpu.sh [all|default|small|tests|bench|timeline|cluster|demo|dashboard|trap]...
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -112,6 +112,16 @@ run_cluster() {
     done
 }
 
+run_small() {
+    # Issue 12: small partitions against the bound, host us per partition, the ring forced
+    # on for the sizes under direct-bytes, and a profile of SMALL_PROFILE (16MiB) partitions.
+    log "small partitions: ${SMALL_SIZES:-256MiB,16MiB,4MiB,1MiB,256KiB}"
+    timeout "${SMALL_LIMIT:-240}" python3 benchmarks/small_partitions.py --direct-off \
+        --sizes "${SMALL_SIZES:-256MiB,16MiB,4MiB,1MiB,256KiB}" --profile "${SMALL_TOP:-0}" \
+        --json "$OUT/small-partitions.json" 2>&1 | grep -v "Warning\|warn" \
+        | grep -v "^  sub-chunk\|^  naive\|^  dask_overlap\|^  bound\|^backend=" | tail -n "${SMALL_TAIL:-30}" || status=1
+}
+
 run_demo() {
     log "demo"
     timeout 60 python3 -m dask_overlap demo 2>&1 | grep -v "^ \|Warning\|warn" | tail -n 8 || status=1
@@ -128,7 +138,7 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(all)
 for step in "${steps[@]}"; do
     case $step in
-        all) run_default; run_bench; run_tests; run_timeline; run_demo; run_cluster; run_dashboard ;;
+        all) run_default; run_small; run_bench; run_tests; run_timeline; run_demo; run_cluster; run_dashboard ;;
         default) run_default ;;
         tests) run_tests ;;
         bench) run_bench ;;
@@ -137,7 +147,8 @@ for step in "${steps[@]}"; do
         demo) run_demo ;;
         dashboard) run_dashboard ;;
         trap) run_trap ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|demo|dashboard|trap]..."; exit 2 ;;
+        small) run_small ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|demo|dashboard|trap|small]..."; exit 2 ;;
     esac
 done
 log "done, status $status"
