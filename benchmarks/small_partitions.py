@@ -10,8 +10,8 @@ task threads, the copy threads, the stream waiters), per partition.
 
 ``--direct-off`` runs the sizes at or under ``direct-bytes`` a second time with
 ``direct-bytes: 0`` (every sub-chunk through the ring), to show what skipping it gains.
-``--profile`` prints the top functions of one run at the first size (cProfile; the task
-threads are not profiled by it, so the synchronous scheduler runs that one).
+``--profile N`` prints the top N functions of one run at ``--profile-size`` (cProfile,
+on the synchronous scheduler, so that the profiler sees the tasks).
 
 Example (on the GPU machine)::
 
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--direct-off", action="store_true", help="also run with direct-bytes 0")
     p.add_argument("--profile", type=int, default=0, help="print the top N functions")
+    p.add_argument("--profile-size", default="16MiB", help="the partition size profiled")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -89,14 +90,14 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{x['overlap_over_bound']:9.3f} {x['host_us_per_partition']:13.0f}"
                 )
     if args.profile:
-        profile(sizes[0], SIZES.get(sizes[0], "1GiB"), args)
+        profile(args.profile_size, SIZES.get(args.profile_size, "1GiB"), args)
     write_json(args.json, result)
     return result
 
 
 def profile(partition: str, size: str, args: argparse.Namespace) -> None:
-    """cProfile of one run of the first size on the synchronous scheduler (one thread, so
-    that the profiler sees the tasks; the copy threads and stream waiters it does not)."""
+    """cProfile of one run on the synchronous scheduler (one thread, so that the profiler
+    sees the tasks; the copy threads and stream waiters it does not)."""
     prof = cProfile.Profile()
     prof.enable()
     bench(["--backend", args.backend, "--workload", "balanced", "--pinned-input",

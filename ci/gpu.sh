@@ -114,7 +114,7 @@ run_cluster() {
 
 run_small() {
     # Issue 12: small partitions against the bound, host us per partition, the ring forced
-    # on for the sizes under direct-bytes, and a profile of SMALL_PROFILE (16MiB) partitions.
+    # on for the sizes under direct-bytes, and (SMALL_TOP > 0) a profile of 16 MiB partitions.
     log "small partitions: ${SMALL_SIZES:-256MiB,16MiB,4MiB,1MiB,256KiB}"
     timeout "${SMALL_LIMIT:-240}" python3 benchmarks/small_partitions.py --direct-off \
         --sizes "${SMALL_SIZES:-256MiB,16MiB,4MiB,1MiB,256KiB}" --profile "${SMALL_TOP:-0}" \
