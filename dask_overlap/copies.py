@@ -2,8 +2,13 @@
 
 One thread's ``memcpy`` reaches about a third of what several reach (H200 host: 9.6 GB/s
 on one thread, 32–35 GB/s on 8–16), and a fresh result array is first touched by whoever
-writes it first, so both directions are cut into pieces that a shared pool of threads
-copies at once. NumPy releases the GIL while it copies.
+writes it first (a page fault per page), so both directions are cut into pieces that a
+shared pool of threads copies at once. NumPy releases the GIL while it copies.
+
+A copy is cut into one piece per copy thread that is idle when it arrives: a partition
+copying alone gets every thread, partitions copying at once share them in fewer, larger
+pieces (on the H200 host, 8 GiB through the ring, 16 MiB pieces were 5-20 % faster than
+4 MiB ones when every thread was busy).
 """
 
 from __future__ import annotations
@@ -18,12 +23,8 @@ import numpy as np
 
 __all__ = ["Copier", "auto_threads", "pieces"]
 
-#: Copies are cut into pieces of at least this many bytes. On the H200 host (8 GiB through
-#: the ring, 16 threads), 16 MiB pieces were 5-20 % faster than 4 MiB ones.
-PIECE_BYTES = 16 << 20
-#: A copy of at most this many bytes runs on the caller's thread (two thread hand-offs
-#: cost more than the copy).
-INLINE_BYTES = 4 << 20
+#: Pieces are never smaller than this (a hand-off to a thread costs tens of µs).
+PIECE_BYTES = 1 << 20
 #: ``staging-threads: auto`` takes this process's cores, within these bounds.
 AUTO_MIN, AUTO_MAX = 2, 16
 
@@ -82,31 +83,23 @@ class Copier:
         self.threads = threads
         self.piece_bytes = piece_bytes
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._busy = 0  # pieces handed to the threads and not yet done
+        self._lock = threading.Lock()
 
-    def copy(
+    def _cut(self, copies: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[Any, Any]]:
+        """The pieces of ``copies``: each cut for the threads idle now (at least one)."""
+        with self._lock:
+            idle = max(1, self.threads - self._busy)
+        return [p for src, dst in copies for p in pieces(src, dst, idle, self.piece_bytes)]
+
+    def _submit(
         self,
-        copies: list[tuple[np.ndarray, np.ndarray]],
+        work: list[tuple[Any, Any]],
         fn: Callable[[np.ndarray, np.ndarray], None],
         on_done: Callable[[BaseException | None], None],
-        inline: bool = True,
     ) -> None:
-        """``fn(src, dst)`` for every pair, in pieces, then ``on_done(first error or None)``.
-
-        With ``inline``, small copies (or none) run on the calling thread, before this
-        returns; otherwise ``on_done`` runs on the thread that finished the last piece.
-        A caller with other work to overlap (the next sub-chunk) passes ``inline=False``.
-        """
-        total = sum(src.nbytes for src, _ in copies)
-        if not copies or (inline and total <= INLINE_BYTES):
-            try:
-                for src, dst in copies:
-                    fn(src, dst)
-            except Exception as e:
-                on_done(e)
-                return
-            on_done(None)
-            return
-        work = [p for src, dst in copies for p in pieces(src, dst, self.threads, self.piece_bytes)]
+        """Every piece of ``work`` on the threads; ``on_done(first error or None)`` from the
+        thread that finished the last one."""
         left = [len(work)]
         errors: list[BaseException] = []
         lock = threading.Lock()
@@ -117,26 +110,45 @@ class Copier:
             except Exception as e:
                 with lock:
                     errors.append(e)
+            with self._lock:
+                self._busy -= 1
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
                 on_done(errors[0] if errors else None)
 
+        with self._lock:
+            self._busy += len(work)
         for src, dst in work:
             self._pool.submit(piece, src, dst)
+
+    def copy(
+        self,
+        copies: list[tuple[np.ndarray, np.ndarray]],
+        fn: Callable[[np.ndarray, np.ndarray], None],
+        on_done: Callable[[BaseException | None], None],
+    ) -> None:
+        """``fn(src, dst)`` for every pair, in pieces on the threads, then ``on_done(first
+        error or None)`` on the thread that finished the last piece (at once, on this
+        thread, when there is nothing to copy). For a caller with other work to overlap."""
+        if not any(src.nbytes for src, _ in copies):
+            on_done(None)
+            return
+        self._submit(self._cut(copies), fn, on_done)
 
     def run(
         self,
         copies: list[tuple[np.ndarray, np.ndarray]],
         fn: Callable[[np.ndarray, np.ndarray], None],
     ) -> None:
-        """:meth:`copy`, waited for: returns once every piece is done; raises the first error.
-
-        For a caller with nothing else to do meanwhile (a partition of one sub-chunk).
-        """
-        if not copies or sum(src.nbytes for src, _ in copies) <= INLINE_BYTES:
-            for src, dst in copies:
+        """:meth:`copy`, waited for, with the caller copying a piece itself: returns once
+        every piece is done; raises the first error. A copy of one piece runs on the
+        caller's thread alone (no hand-off). For a caller with nothing else to do meanwhile
+        (a partition of one sub-chunk)."""
+        work = self._cut(copies)
+        if len(work) <= 1:
+            for src, dst in work:
                 fn(src, dst)
             return
         done = threading.Event()
@@ -146,8 +158,11 @@ class Copier:
             errors.append(error)
             done.set()
 
-        self.copy(copies, fn, on_done, inline=False)
-        done.wait()
+        self._submit(work[1:], fn, on_done)
+        try:
+            fn(*work[0])
+        finally:
+            done.wait()  # the threads' pieces write into the same buffers: wait for them
         if errors[0] is not None:
             raise errors[0]
 

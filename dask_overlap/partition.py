@@ -480,7 +480,7 @@ class _PartitionRun:
             sub.spans.append((stage.name.lower(), t0, time.time(), nbytes))
             self._post(Done(stage, i))
 
-        self.rt.copies.copy(copies, fn, done, inline=False)  # the next sub-chunk overlaps it
+        self.rt.copies.copy(copies, fn, done)  # the next sub-chunk overlaps it
 
     def _device(self, i: int) -> None:
         """H2D, COMPUTE and D2H of sub-chunk ``i``, enqueued together on one stream; its
