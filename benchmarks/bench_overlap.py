@@ -168,7 +168,8 @@ def bound_seconds(
     """The slowest stage: each stage's bytes over its rate; ``stage`` names the winner.
 
     Staging in and unstaging out are host copies on the same threads: they count as one
-    stage, at the staging rate.
+    stage, the input at the staging rate, the results at the rate of copies into fresh
+    memory (``fresh``), since every result is a new array.
     """
     stages = {
         "h2d": total_in / ceilings["h2d"],
@@ -177,9 +178,10 @@ def bound_seconds(
     }
     if ceilings.get("both"):
         stages["both_ways"] = (total_in + total_out) / ceilings["both"]
-    host_copied = total_in * staged + total_out * unstaged
-    if host_copied and ceilings.get("staging"):
-        stages["host_copies"] = host_copied / ceilings["staging"]
+    if (staged or unstaged) and ceilings.get("staging"):
+        stages["host_copies"] = total_in * staged / ceilings["staging"] + total_out * unstaged / (
+            ceilings.get("fresh") or ceilings["staging"]
+        )
     if ceilings.get("host_cores"):
         # The host backend has no separate engines: every stage runs on the same cores.
         stages["host_cpu"] = sum(stages.values()) / ceilings["host_cores"]

@@ -2,8 +2,10 @@
 
 ``measure_ceilings(rt, block, workload, ratio, make_kernel)`` returns the rates in bytes
 per second (``h2d``, ``d2h``, ``both`` when the two directions were measured together,
-``staging`` for pageable input), the kernel's seconds for one partition, and the kernel
-iterations chosen so that the kernel takes ``ratio`` times one partition's H2D copy.
+``staging`` for pageable input into the ring, ``fresh`` for results out of it into new
+arrays, both with the copy threads on at least 64 MiB), the kernel's seconds for one
+partition, and the kernel iterations chosen so that the kernel takes ``ratio`` times one
+partition's H2D copy.
 """
 
 from __future__ import annotations
@@ -35,18 +37,43 @@ def _iterations(one_pass: float, base: float, target: float) -> int:
     return max(0, round((target - base) / one_pass))
 
 
-def parallel_copy_rate(src: np.ndarray, dst: np.ndarray, threads: int, repeat: int = 3) -> float:
+#: Host copy rates are measured on at least this many bytes: the rate of the many copies
+#: a run makes, not one small copy's hand-off latency.
+PROBE_BYTES = 64 << 20
+
+
+def parallel_copy_rate(
+    src: np.ndarray, dst: np.ndarray | None, threads: int, repeat: int = 3
+) -> float:
     """Bytes per second of ``threads`` threads copying ``src`` into ``dst`` in slices
-    (the best of ``repeat``)."""
+    (the best of ``repeat``). ``dst`` ``None``: into a new array each time, whose pages
+    the copy faults in, as it does a partition's fresh result."""
     parts = np.array_split(np.arange(src.shape[0]), threads)
-
-    def copy(idx: np.ndarray) -> None:
-        if len(idx):
-            np.copyto(dst[idx[0] : idx[-1] + 1], src[idx[0] : idx[-1] + 1])
-
+    best = float("inf")
     with ThreadPoolExecutor(threads) as ex:
-        seconds = _best(lambda: list(ex.map(copy, parts)), repeat)
-    return src.nbytes / seconds
+        for _ in range(repeat):
+            out = np.empty_like(src) if dst is None else dst
+
+            def copy(idx: np.ndarray, out: np.ndarray = out) -> None:
+                if len(idx):
+                    np.copyto(out[idx[0] : idx[-1] + 1], src[idx[0] : idx[-1] + 1])
+
+            t0 = time.perf_counter()
+            list(ex.map(copy, parts))
+            best = min(best, time.perf_counter() - t0)
+            del out
+    return src.nbytes / best
+
+
+def _host_rates(pinned: np.ndarray, threads: int) -> dict[str, float]:
+    """``staging`` (pageable into the ring) and ``fresh`` (the ring into a new result)
+    rates, on ``pinned``, a ring block of at least :data:`PROBE_BYTES`."""
+    flat = pinned.view(np.uint8)
+    pageable = np.ones_like(flat)
+    return {
+        "staging": parallel_copy_rate(pageable, flat, threads),
+        "fresh": parallel_copy_rate(flat, None, threads),
+    }
 
 
 def _timed(rt: Any, block: np.ndarray, ratio: float) -> tuple[dict, float, int]:
@@ -62,7 +89,8 @@ def _timed(rt: Any, block: np.ndarray, ratio: float) -> tuple[dict, float, int]:
 def _host(rt: Any, block: np.ndarray, ratio: float, make_kernel: Callable) -> tuple:
     dst = np.empty_like(block)
     copy = block.nbytes / _best(lambda: np.copyto(dst, block))
-    ceilings = {"h2d": copy, "d2h": copy, "staging": copy, "host_cores": float(os.cpu_count() or 1)}
+    ceilings = {"h2d": copy, "d2h": copy, "host_cores": float(os.cpu_count() or 1)}
+    ceilings.update(_host_rates(np.empty(max(block.nbytes, PROBE_BYTES), np.uint8), 1))
     base = _best(lambda: make_kernel(0)(block))
     one = _best(lambda: make_kernel(1)(block)) - base
     iterations = _iterations(one, base, ratio * block.nbytes / copy)
@@ -104,7 +132,11 @@ def _cuda(rt: Any, block: np.ndarray, ratio: float, make_kernel: Callable) -> tu
         dev_b.get(stream=s2, out=pin_out, blocking=False)
 
     both_rate = 2 * n / timed(both)
-    staging = parallel_copy_rate(block, pin_out, rt.copy_threads)
+    probe = pool.allocate(max(n, PROBE_BYTES))
+    if probe is None:
+        raise RuntimeError("the pinned pool cannot hold the host copies' probe")
+    host = _host_rates(probe, rt.copy_threads)
+    del probe
 
     def kernel_seconds(iterations: int) -> float:
         k = make_kernel(iterations)
@@ -117,7 +149,7 @@ def _cuda(rt: Any, block: np.ndarray, ratio: float, make_kernel: Callable) -> tu
     probe = 1024
     one = (kernel_seconds(probe) - base) / probe
     iterations = _iterations(one, base, ratio * n / h2d)
-    ceilings = {"h2d": h2d, "d2h": d2h, "both": both_rate, "staging": staging}
+    ceilings = {"h2d": h2d, "d2h": d2h, "both": both_rate, **host}
     return ceilings, kernel_seconds(iterations), iterations
 
 
