@@ -41,7 +41,7 @@ def case(partition: str, size: str, args: argparse.Namespace) -> dict:
     argv = [
         "--backend", args.backend, "--workload", "balanced", "--pinned-input",
         "--size", size, "--partition", partition, "--threads", args.threads,
-        "--repeat", str(args.repeat),
+        "--repeat", str(args.repeat), "--out", args.out,
     ]  # fmt: skip
     r = bench(argv)
     return {
@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sizes", default=",".join(SIZES), help="partition sizes, a comma list")
     p.add_argument("--threads", default="4,8", help="Dask threads, a comma list (best kept)")
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument(
+        "--out",
+        default="host",
+        choices=["host", "pinned"],
+        help="where results live (map_blocks out=)",
+    )
     p.add_argument("--direct-off", action="store_true", help="also run with direct-bytes 0")
     p.add_argument("--profile", type=int, default=0, help="print the top N functions")
     p.add_argument("--profile-size", default="16MiB", help="the partition size profiled")
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    result: dict = {"device": device_name(args.backend), "sizes": {}}
+    result: dict = {"device": device_name(args.backend), "out": args.out, "sizes": {}}
     for part in sizes:
         size = SIZES.get(part) or format_bytes(parse_bytes(part) * 256).replace(" ", "")
         result["sizes"][part] = row = case(part, size, args)
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         ):
             with dask.config.set({"overlap.direct-bytes": 0}):
                 row["through_the_ring"] = case(part, size, args)
-    print(f"\n{result['device']}: balanced, pinned input, default settings")
+    print(f"\n{result['device']}: balanced, pinned input, out={args.out}, default settings")
     print(f"{'partition':>10} {'GB/s':>7} {'bound':>7} {'of bound':>9} {'host us/part':>13}")
     for part, r in result["sizes"].items():
         for label, x in ((part, r), (" ring", r.get("through_the_ring"))):
