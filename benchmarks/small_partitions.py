@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--out",
         default="host",
         choices=["host", "pinned"],
-        help="where results live (map_blocks out=)",
+        help="map_blocks out=",
     )
     p.add_argument("--direct-off", action="store_true", help="also run with direct-bytes 0")
     p.add_argument("--profile", type=int, default=0, help="print the top N functions")
