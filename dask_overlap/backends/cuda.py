@@ -55,6 +55,9 @@ _ALIGN = 256  # RMM pools want sizes in multiples of this
 _H2D = 1  # cudaMemcpyHostToDevice
 _D2H = 2  # cudaMemcpyDeviceToHost
 _STOP = object()
+#: Timing events kept for reuse once resolved (four per sub-chunk in flight).
+_SPARE_MARKS = 1024
+_UNTRACED = contextlib.nullcontext()
 
 
 def _align_up(n: int) -> int:
@@ -208,6 +211,9 @@ class CudaStream:
         self._keep: list[Any] = []
         self._error: BaseException | None = None
         self._closed = False
+        # Completion events that have fired, for reuse: creating one per sub-chunk costs a
+        # driver call (and its destruction another).
+        self._events: list[Any] = []
         self._waits: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._wait_loop, name=name, daemon=True)
         self._thread.start()
@@ -232,7 +238,7 @@ class CudaStream:
         with self._device, self.cupy:
             result = fn()
             with self._lock:
-                event = cupy.cuda.Event(block=True, disable_timing=True)
+                event = self._event()
                 event.record(self.cupy)
                 keep, self._keep = self._keep, []
         try:
@@ -240,8 +246,16 @@ class CudaStream:
         except Exception as e:
             self._error = e
             raise
+        self._events.append(event)  # fired: free for the next one
         del keep  # the copies that read it have completed
         return result
+
+    def _event(self) -> Any:
+        """A completion event: one that has fired before, or a new one."""
+        try:
+            return self._events.pop()
+        except IndexError:
+            return cupy.cuda.Event(block=True, disable_timing=True)
 
     def keep(self, obj: Any) -> None:
         """Hold ``obj`` until the next :meth:`on_complete` event has completed."""
@@ -252,7 +266,7 @@ class CudaStream:
         # Record and take the keep-list together: anything kept before this point was kept
         # after its copy was enqueued, so the event covers that copy.
         with self._lock, self._device:
-            event = cupy.cuda.Event(block=True, disable_timing=True)
+            event = self._event()
             event.record(self.cupy)
             keep, self._keep = self._keep, []
             if not self._closed:
@@ -277,6 +291,7 @@ class CudaStream:
             event, callback, keep = item
             try:
                 event.synchronize()  # blocking sync, without the GIL
+                self._events.append(event)  # fired: free for the next one
             except Exception as e:  # a sticky CUDA error: this and later work failed
                 self._error = e
             # The copies that read ``keep`` have completed; dropping it frees host memory.
@@ -372,6 +387,7 @@ class CudaBackend:
         self.pinned = PinnedPool(options.pinned_pool_size, self.device_id)
         self._names = itertools.count()
         self.tracing = False
+        self._marks: list[Any] = []  # timing events resolved and free for reuse
         self._trace: list[tuple[str, str, Any, Any]] = []
         self._trace_lock = threading.Lock()
         with self._device:
@@ -426,8 +442,12 @@ class CudaBackend:
 
     # -- stage timings (for the runtime's timeline) ------------------------------------
     def mark(self, stream: CudaStream) -> Any:
-        # Called inside ``submit`` (device set, stream current): a timing event in order.
-        event = cupy.cuda.Event()
+        # Called inside ``submit`` (device set, stream current): a timing event in order,
+        # one that an earlier resolve() gave back when there is one.
+        try:
+            event = self._marks.pop()
+        except IndexError:
+            event = cupy.cuda.Event()
         event.record(stream.cupy)
         return event
 
@@ -436,7 +456,10 @@ class CudaBackend:
         # are done; elapsed time from the reference event maps them onto time.time().
         ref, t0 = self._clock
         with self._device:
-            return [t0 + cupy.cuda.get_elapsed_time(ref, m) / 1e3 for m in marks]
+            times = [t0 + cupy.cuda.get_elapsed_time(ref, m) / 1e3 for m in marks]
+        if len(self._marks) < _SPARE_MARKS:
+            self._marks.extend(marks)  # read and done with: free for the next marks
+        return times
 
     # -- the three stream stages --------------------------------------------------------
     def copy_in(self, stream: CudaStream, host: Any) -> cupy.ndarray:
@@ -544,11 +567,13 @@ class CudaBackend:
                 return cupy.asnumpy(out) if isinstance(out, cupy.ndarray) else np.asarray(out)
 
     # -- event timings, for pictures of the assembly line -------------------------------
+    def _span(self, stream: Any, stage: str) -> contextlib.AbstractContextManager[None]:
+        """Events around ``stage``'s copies when tracing (a shared null context otherwise:
+        this is called per copy)."""
+        return self._traced(stream, stage) if self.tracing else _UNTRACED
+
     @contextlib.contextmanager
-    def _span(self, stream: Any, stage: str) -> Iterator[None]:
-        if not self.tracing:
-            yield
-            return
+    def _traced(self, stream: Any, stage: str) -> Iterator[None]:
         cs = stream.cupy if isinstance(stream, CudaStream) else stream
         name = stream.name if isinstance(stream, CudaStream) else "default"
         start = cupy.cuda.Event()
