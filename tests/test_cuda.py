@@ -363,3 +363,54 @@ def test_main_module_kernel_trap(kind: str) -> None:
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
     assert "INVALID_HANDLE" not in proc.stderr and "moduleUnload" not in proc.stderr, proc.stderr
+
+
+# -- small partitions: the direct path (no ring) and the lean path ----------------------
+DIRECT = {"overlap.direct-bytes": "1MiB"}
+
+
+@pytest.mark.parametrize("out", ["host", "pinned", "device"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(96 * 256, dtype=np.float32).reshape(96, 256),
+        lambda: np.asfortranarray(np.arange(96 * 256, dtype=np.float64).reshape(96, 256)),
+        lambda: np.arange(96 * 600, dtype=np.int32).reshape(96, 600)[:, 5:505:2],
+        lambda: np.arange(96 * 256, dtype=">f4").reshape(96, 256),
+    ],
+    ids=["c-order", "f-order", "strided", "big-endian"],
+)
+def test_small_partitions_skip_the_ring(make: Any, out: str) -> None:
+    """Partitions whose copies are under direct-bytes go straight from their input to the
+    device and straight back into their result, in any layout, to any ``out``."""
+    x = make()
+    with dask.config.set(DIRECT):
+        y = dask_overlap.map_blocks(affine, da.from_array(x, chunks=(32, -1)), out=out)
+        got = y.compute()
+    expected = affine(x.astype(x.dtype.newbyteorder("=")))
+    np.testing.assert_array_equal(cp.asnumpy(got) if out == "device" else got, expected)
+    stats = runtime().stats()
+    assert stats["partitions"] == stats["sub_chunks"] == 3
+    assert stats["bytes_h2d"] == x.nbytes
+    if out != "device":
+        assert stats["bytes_d2h"] == expected.nbytes
+    if out != "pinned":
+        assert stats["pinned_bytes_peak"] == 0  # no ring
+    assert stats["bytes_staged"] == stats["bytes_unstaged"] == 0
+    assert stats["pinned_fallbacks"] == 0
+
+
+def test_many_small_partitions_on_many_threads_reuse_their_events() -> None:
+    """400 small partitions on 8 threads: right results, nothing held afterwards, and the
+    timing events come back for reuse instead of piling up."""
+    x = np.random.default_rng(5).standard_normal((400 * 64, 128)).astype(np.float32)
+    rt = runtime()
+    with dask.config.set({**DIRECT, "num_workers": 8}):
+        y = dask_overlap.map_blocks(affine, da.from_array(x, chunks=(64, 128)))
+        np.testing.assert_array_equal(y.compute(), affine(x))
+    stats = rt.stats()
+    assert stats["partitions"] == 400 and stats["partitions_failed"] == 0
+    assert stats["in_flight"] == stats["device_bytes_in_flight"] == 0
+    assert stats["pinned_bytes_in_use"] == 0
+    assert 0 < len(rt.backend._marks) <= 4 * 8 * 2  # reused: about one set per thread
+    assert len(rt.timeline) >= 3 * 400 or len(rt.timeline) == rt.timeline.maxlen

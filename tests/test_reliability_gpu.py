@@ -36,7 +36,10 @@ pytestmark = pytest.mark.gpu
 
 POOL = GPU_POOL
 CLUSTER_KW: dict[str, Any] = dict(dashboard_address=None, worker_dashboard_address=None)
-PLUGIN = dict(backend="cuda", pinned_pool_size=POOL, device_pool_size="4GiB", in_flight=3)
+# Small arrays through the ring all the same (direct_bytes=0).
+PLUGIN = dict(
+    backend="cuda", pinned_pool_size=POOL, device_pool_size="4GiB", in_flight=3, direct_bytes=0
+)
 
 
 @pytest.fixture(autouse=True)
