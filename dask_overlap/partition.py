@@ -173,7 +173,7 @@ class _PartitionRun:
         inputs = self.lay.inputs(self.args, i)
         on_device = [self.backend.is_device(x) for x in inputs]
         h2d = sum(x.nbytes for x, dev in zip(inputs, on_device, strict=True) if not dev)
-        if self.spec.out != "device" and self._direct(i, h2d):
+        if self._direct(i, h2d):
             sub = _Sub(inputs, [False] * len(inputs), h2d)
             sub.need, sub.direct = 0, True
             return sub
@@ -191,6 +191,8 @@ class _PartitionRun:
         limit = self.rt.options.direct_bytes
         if h2d > limit:
             return False
+        if self.spec.out == "device":
+            return True  # nothing comes back
         out = self.lay.expected_out_bytes(i, self.spec.out_shape, self.spec.out_dtype)
         return out is not None and h2d + out <= limit
 

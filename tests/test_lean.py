@@ -116,3 +116,15 @@ def test_the_timeline_and_metrics_are_fed_by_the_lean_path():
     assert sorted({s.stage for s in spans}) == ["compute", "d2h", "h2d"]
     assert len(spans) == 3 * 6
     assert all(s.end >= s.start and s.stream >= 0 for s in spans)
+
+
+@pytest.mark.parametrize("out", ["pinned", "device"])
+def test_small_partitions_skip_the_ring_for_every_out(out):
+    """Only the input is staged for ``out="device"`` (nothing comes back), and ``"pinned"``
+    results are blocks of their own: small ones skip the ring either way."""
+    a, x = small()
+    got = dask_overlap.map_blocks(np.negative, x, out=out).compute()
+    np.testing.assert_array_equal(got, -a)
+    stats = wait_until_idle()
+    assert stats["bytes_staged"] == stats["bytes_unstaged"] == 0
+    assert stats["pinned_fallbacks"] == 0
