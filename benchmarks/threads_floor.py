@@ -1,0 +1,108 @@
+"""How partitions of one Dask thread each can keep a GPU busy: bare CuPy floors.
+
+16 MiB partitions (2 GiB pinned input, results into pinned blocks), the benchmark's
+balanced kernel. Each line prints GB/s and the process's CPU time per partition:
+
+- one thread, a window of 4 partitions in flight on 4 streams (the deep pipeline);
+- N threads, each synchronous per partition on its own stream (what a Dask task that
+  must return a finished result does), with a blocking-sync or a spinning event;
+- dask_overlap.map_blocks on N threads.
+
+Run on the device: ``python3 benchmarks/threads_floor.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import cupy as cp
+import cupyx
+import dask
+import numpy as np
+
+import dask_overlap
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_overlap import array_of_views  # noqa: E402
+from kernels import make_kernel  # noqa: E402
+
+P = int(os.environ.get("PART", 16 << 20))
+TOTAL = 2 << 30
+n = TOTAL // P
+host = cupyx.empty_pinned((TOTAL // 4,), np.float32)
+host[...] = 1
+outs = cupyx.empty_pinned((TOTAL // 4,), np.float32)
+f = make_kernel(int(os.environ.get("ITER", 1961)))
+
+
+def one(k: int, st: cp.cuda.Stream, ev: cp.cuda.Event) -> None:
+    e = P // 4
+    with st:
+        d = cp.empty((e,), cp.float32)
+        cp.cuda.runtime.memcpyAsync(d.data.ptr, host[k * e :].ctypes.data, P, 1, st.ptr)
+        r = f(d)
+        cp.cuda.runtime.memcpyAsync(outs[k * e :].ctypes.data, r.data.ptr, P, 2, st.ptr)
+        ev.record(st)
+
+
+def deep() -> None:
+    ss = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
+    evs = [cp.cuda.Event(block=True, disable_timing=True) for _ in range(4)]
+    for k in range(n):
+        if k >= 4:
+            evs[k % 4].synchronize()
+        one(k, ss[k % 4], evs[k % 4])
+    for e in evs:
+        e.synchronize()
+
+
+def threaded(t: int, block: bool) -> None:
+    todo = iter(range(n))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        st = cp.cuda.Stream(non_blocking=True)
+        ev = cp.cuda.Event(block=block, disable_timing=True)
+        while True:
+            with lock:
+                k = next(todo, None)
+            if k is None:
+                return
+            one(k, st, ev)
+            ev.synchronize()
+
+    ts = [threading.Thread(target=worker) for _ in range(t)]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join()
+
+
+def show(label: str, fn) -> None:
+    fn()
+    best, cpu = 1e9, 0.0
+    for _ in range(2):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        s = time.perf_counter() - t0
+        if s < best:
+            best, cpu = s, time.process_time() - c0
+    gbps, us = TOTAL / best / 1e9, cpu / n * 1e6
+    print(f"{label:<52} {gbps:6.2f} GB/s  cpu {us:6.0f} us/part", flush=True)
+
+
+show("bare: 1 thread, 4 in flight on 4 streams", deep)
+for t in (1, 4, 8):
+    show(f"bare: {t} threads, synchronous each, blocking event", lambda t=t: threaded(t, True))
+show("bare: 4 threads, synchronous each, spinning event", lambda: threaded(4, False))
+dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": "6GiB"})
+x = array_of_views(host.reshape(-1, 1024), P // 4096)
+for t in (1, 4, 8):
+    y = dask_overlap.map_blocks(f, x, dtype=np.float32, out="pinned")
+    show(f"dask_overlap out=pinned, {t} threads", lambda t=t, y=y: dask.persist(y, num_workers=t))
+for t in (4,):
+    y = dask_overlap.map_blocks(f, x, dtype=np.float32)
+    show(f"dask_overlap out=host, {t} threads", lambda t=t, y=y: dask.persist(y, num_workers=t))
