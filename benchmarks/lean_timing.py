@@ -1,0 +1,90 @@
+"""Where a lean partition's time goes on the GPU: wall and CPU (this thread) per step.
+
+Wraps the runner's steps (building the run, the backend's copy-in, compute and
+copy-out, the pinned pool's allocation, the stream's run and the whole partition) with
+timers, runs 16 MiB partitions (pinned input) on the synchronous scheduler, and prints
+µs per partition of wall and of the calling thread's CPU time for each. A step whose CPU
+time is close to its wall time while it waits for the GPU is spinning.
+
+Run on the device: ``python3 benchmarks/lean_timing.py [--out pinned]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import sys
+import time
+
+import cupyx
+import dask
+import numpy as np
+
+import dask_overlap
+from dask_overlap import partition
+from dask_overlap.backends import cuda
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_overlap import array_of_views  # noqa: E402
+from kernels import make_kernel  # noqa: E402
+
+WALL: collections.Counter = collections.Counter()
+CPU: collections.Counter = collections.Counter()
+
+
+def timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        w, c = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            WALL[name] += time.perf_counter() - w
+            CPU[name] += time.thread_time() - c
+
+    return wrapper
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="pinned")
+    p.add_argument("--partition", type=int, default=16 << 20)
+    args = p.parse_args()
+    dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": "6GiB"})
+    total = 1 << 30
+    host = cupyx.empty_pinned((total // 4,), np.float32)
+    host[...] = 1
+    x = array_of_views(host.reshape(-1, 1024), args.partition // 4096)
+    f = make_kernel(1961)
+    rt = dask_overlap.get_runtime("cuda")
+    for cls, names in (
+        (cuda.CudaBackend, ("copy_in", "compute", "copy_out", "mark", "resolve", "is_pinned")),
+        (cuda.CudaStream, ("run",)),
+        (cuda.PinnedPool, ("allocate", "reserve")),
+        (partition._PartitionRun, ("__init__", "_run_lean", "_copy_now", "_output_for")),
+    ):
+        for name in names:
+            setattr(cls, name, timed(f"{cls.__name__}.{name}", getattr(cls, name)))
+    y = dask_overlap.map_blocks(f, x, dtype=np.float32, out=args.out)
+    dask.persist(y, scheduler="sync")  # warm
+    WALL.clear()
+    CPU.clear()
+    n = x.npartitions
+    w0, c0 = time.perf_counter(), time.process_time()
+    dask.persist(y, scheduler="sync")
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    print(
+        f"out={args.out}: {n} partitions, {wall / n * 1e6:.0f} us wall and "
+        f"{cpu / n * 1e6:.0f} us process CPU per partition ({total / wall / 1e9:.2f} GB/s)"
+    )
+    for name in sorted(WALL, key=WALL.get, reverse=True):
+        print(
+            f"  {name:<36} wall {WALL[name] / n * 1e6:7.0f} us   cpu {CPU[name] / n * 1e6:7.0f} us"
+        )
+    del rt
+
+
+if __name__ == "__main__":
+    main()
