@@ -5,10 +5,10 @@ on one thread, 32–35 GB/s on 8–16), and a fresh result array is first touche
 writes it first (a page fault per page), so both directions are cut into pieces that a
 shared pool of threads copies at once. NumPy releases the GIL while it copies.
 
-A copy is cut into one piece per copy thread that is idle when it arrives: a partition
-copying alone gets every thread, partitions copying at once share them in fewer, larger
-pieces (on the H200 host, 8 GiB through the ring, 16 MiB pieces were 5-20 % faster than
-4 MiB ones when every thread was busy).
+A copy is cut into at least one piece per copy thread that is idle when it arrives, so
+that a partition copying alone gets every thread, and into pieces of at most 16 MiB, so
+that a large copy arriving while the threads are busy still spreads over them as they
+free up.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ import numpy as np
 
 __all__ = ["Copier", "auto_threads", "pieces"]
 
-#: Pieces are never smaller than this (a hand-off to a thread costs tens of µs).
-PIECE_BYTES = 1 << 20
+#: Pieces are never smaller than this (a hand-off to a thread costs tens of µs)...
+MIN_PIECE_BYTES = 1 << 20
+#: ...nor larger than this. On the H200 host (8 GiB through the ring, 16 threads, every
+#: thread busy) 16 MiB pieces were 5-20 % faster than 4 MiB ones.
+PIECE_BYTES = 16 << 20
 #: ``staging-threads: auto`` takes this process's cores, within these bounds.
 AUTO_MIN, AUTO_MAX = 2, 16
 
@@ -48,18 +51,23 @@ def auto_threads() -> int:
 
 
 def pieces(
-    src: np.ndarray, dst: np.ndarray, threads: int, piece_bytes: int = PIECE_BYTES
+    src: np.ndarray, dst: np.ndarray, idle: int, piece_bytes: int = PIECE_BYTES
 ) -> list[tuple[Any, Any]]:
-    """``(src, dst)`` row ranges that together copy ``src`` into ``dst``.
+    """``(src, dst)`` row ranges that together copy ``src`` into ``dst``: one per ``idle``
+    thread, in pieces of at most ``piece_bytes`` and at least :data:`MIN_PIECE_BYTES`.
 
     Examples
     --------
     >>> a = np.zeros((64, 1 << 18), np.float32)  # 64 MiB
-    >>> [p[0].shape[0] for p in pieces(a, a.copy(), 4)]
+    >>> [p[0].shape[0] for p in pieces(a, a.copy(), 4)]  # four threads idle
     [16, 16, 16, 16]
+    >>> [p[0].shape[0] for p in pieces(a, a.copy(), 1)]  # one: still 16 MiB pieces
+    [16, 16, 16, 16]
+    >>> len(pieces(a[:8], a[:8].copy(), 16))  # 8 MiB, 16 threads idle: 1 MiB pieces
+    8
     """
     rows = src.shape[0] if src.ndim else 1
-    n = max(1, min(threads, src.nbytes // piece_bytes, rows))
+    n = max(1, min(rows, src.nbytes // MIN_PIECE_BYTES, max(idle, -(-src.nbytes // piece_bytes))))
     if n == 1:
         return [(src, dst)]
     bounds = [rows * k // n for k in range(n + 1)]
@@ -76,7 +84,7 @@ class Copier:
     name
         Prefix of the threads' names.
     piece_bytes
-        Copies are cut into pieces of at least this size.
+        Copies are cut into pieces of at most this size (see :func:`pieces`).
     """
 
     def __init__(self, threads: int, name: str, piece_bytes: int = PIECE_BYTES):
