@@ -36,6 +36,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,6 +59,8 @@ _STOP = object()
 #: Timing events kept for reuse once resolved (four per sub-chunk in flight).
 _SPARE_MARKS = 1024
 _UNTRACED = contextlib.nullcontext()
+#: Arrays whose pinnedness is remembered (see CudaBackend.is_pinned).
+_PINNED_ROOTS = 4096
 
 
 def _align_up(n: int) -> int:
@@ -388,6 +391,8 @@ class CudaBackend:
         self._names = itertools.count()
         self.tracing = False
         self._marks: list[Any] = []  # timing events resolved and free for reuse
+        # id(array owning its memory) -> (weakref to it, whether it is pinned)
+        self._pinned_roots: dict[int, tuple[weakref.ref, bool]] = {}
         self._trace: list[tuple[str, str, Any, Any]] = []
         self._trace_lock = threading.Lock()
         with self._device:
@@ -410,12 +415,27 @@ class CudaBackend:
             return True
         if x.nbytes == 0:
             return False
+        # Every view of an array shares its memory's kind: ask the driver once per array
+        # that owns its memory (the partitions of one dask array are views of a few).
+        root = x
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        known = self._pinned_roots.get(id(root))
+        if known is not None and known[0]() is root:
+            return known[1]
         try:  # pinned elsewhere (cupy's pinned pool, cudaHostRegister): no need to stage
             with self._device:
                 attrs = cupy.cuda.runtime.pointerGetAttributes(x.ctypes.data)
-            return int(attrs.type) == 1  # cudaMemoryTypeHost
+            pinned = int(attrs.type) == 1  # cudaMemoryTypeHost
         except Exception:
-            return False
+            pinned = False
+        if len(self._pinned_roots) >= _PINNED_ROOTS:
+            self._pinned_roots.clear()
+        try:
+            self._pinned_roots[id(root)] = (weakref.ref(root), pinned)
+        except TypeError:  # not weakly referenceable: ask again next time
+            pass
+        return pinned
 
     def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
         np.copyto(dst, src)
