@@ -25,6 +25,7 @@ from dask.utils import funcname, has_keyword
 from .backends import resolve_backend
 from .config import Options
 from .current import get_runtime
+from .infer import infer_dtype, refuse_subclasses
 from .partition import OUT_MODES, PartitionSpec, run_partition
 
 __all__ = ["map_blocks"]
@@ -216,6 +217,7 @@ def map_blocks(
     chunks: Any = None,
     drop_axis: int | Sequence[int] | None = None,
     new_axis: int | Sequence[int] | None = None,
+    enforce_ndim: bool = False,
     split_axis: int | None = None,
     sub_chunk_bytes: int | str | None = None,
     in_flight: int | None = None,
@@ -241,7 +243,12 @@ def map_blocks(
         Dask arrays, aligned and broadcast as Dask does; other objects (constants,
         delayed objects) are passed through.
     dtype, chunks, drop_axis, new_axis, meta, name, token, **kwargs
-        As in :func:`dask.array.map_blocks`.
+        As in :func:`dask.array.map_blocks`. When ``dtype`` is not given it is inferred
+        as Dask does, on tiny NumPy blocks, and where the backend is ``cuda`` in this
+        process, on CuPy blocks if NumPy ones fail.
+    enforce_ndim
+        Accepted with Dask's meaning, and always in force: every output block's shape
+        and dtype are checked against what the array declares, before they are copied.
     split_axis
         Declares that ``func`` is independent along this axis: each partition is then
         cut along it into sub-chunks of about ``sub_chunk_bytes`` that are pipelined
@@ -292,6 +299,9 @@ def map_blocks(
             "map_blocks needs at least one dask array in arrays, or chunks= to build the "
             f"output from; got {len(arrays)} positional argument(s) and no dask array"
         )
+    if not isinstance(enforce_ndim, bool):
+        raise TypeError(f"enforce_ndim must be True or False, got {enforce_ndim!r}")
+    refuse_subclasses(arrays, positions)
     for i in positions:
         _check_dtype(f"arrays[{i}]", arrays[i].dtype)
     if meta is not None and hasattr(meta, "dtype"):
@@ -334,7 +344,8 @@ def map_blocks(
                     "dtype must be given when an argument is a dask.delayed object (the "
                     "output dtype cannot be inferred without computing it); got dtype=None"
                 )
-            dtype = da.core.apply_infer_dtype(func, arrays, kwargs, "map_blocks")
+            on_gpu = resolve_backend(opts.backend) == "cuda"
+            dtype = infer_dtype(func, arrays, kwargs, on_gpu)
         if not isinstance(meta, np.ndarray):
             out_ndim = len(chunks) if chunks is not None else ndim - len(drop) + len(new)
             meta = np.empty((0,) * out_ndim, dtype=dtype)

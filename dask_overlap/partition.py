@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .engine import Action, Done, Failed, Pipeline, Stage
+from .infer import refuse_block
 from .layout import Layout, auto_sub_chunk_bytes, layout
 from .metrics import TaskMeter, nvtx_range
 from .results import check_declared, check_like_first, check_split_extent, not_an_array
@@ -131,8 +132,10 @@ class _PartitionRun:
         self.args = list(args)
         is_device = self.backend.is_device
         for p in spec.array_positions:
-            if not is_device(self.args[p]) and not isinstance(self.args[p], np.ndarray):
-                self.args[p] = np.asarray(self.args[p])
+            a = self.args[p]
+            if type(a) is not np.ndarray and not is_device(a):
+                refuse_block(a, self.where)  # a subclass whose meaning the copies would lose
+                self.args[p] = np.asarray(a)
         sub_chunk_bytes = spec.sub_chunk_bytes
         if spec.split_axis is None:
             sub_chunk_bytes = 0  # not cut: the size does not matter

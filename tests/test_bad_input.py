@@ -84,6 +84,40 @@ def test_non_numeric_inferred_output_dtype(x):
     assert_no_task_ran()
 
 
+@pytest.mark.parametrize(
+    "func, returned",
+    [(lambda b: b.tolist(), "list"), (lambda b: "done", "str"), (lambda b: None, "NoneType")],
+)
+def test_inferring_the_dtype_of_a_func_that_returns_no_array(x, func, returned):
+    """The error names what came back, not the dtype NumPy would make of it."""
+    with raises_at_construction(TypeError, "must return an array", f"got {returned}", "infer"):
+        dask_overlap.map_blocks(func, x)
+    assert_no_task_ran()
+
+
+def test_masked_input_is_refused_before_any_work():
+    a = np.array([[1.0, np.nan], [3.0, 4.0]])
+    m = da.ma.masked_invalid(da.from_array(a, chunks=1))
+    with raises_at_construction(TypeError, "arrays[1]", "masked array", "mask would be lost"):
+        dask_overlap.map_blocks(np.add, da.from_array(a, chunks=1), m)
+    assert_no_task_ran()
+
+
+def test_a_masked_block_under_a_plain_meta_is_refused_when_it_arrives():
+    """A meta can say less than its blocks: the runner refuses the block itself."""
+    a = np.ma.masked_invalid(np.array([[1.0, np.nan], [3.0, 4.0]]))
+    x = da.from_array(a, chunks=1, meta=np.empty((0, 0)), asarray=False)
+    y = dask_overlap.map_blocks(np.negative, x, dtype=float)
+    with pytest.raises(TypeError, match="masked array"):
+        y.compute()
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_enforce_ndim_not_a_bool(x, value):
+    with raises_at_construction(TypeError, "enforce_ndim", repr(value)):
+        dask_overlap.map_blocks(identity, x, enforce_ndim=value)
+
+
 @pytest.mark.parametrize("axis", [2, 5, -3, -10])
 def test_split_axis_out_of_range(x, axis):
     with raises_at_construction(ValueError, "split_axis", "[-2, 2)", f"got {axis}"):

@@ -484,3 +484,17 @@ def test_local_cluster_processes():
     assert sum(s["partitions"] for s in per_worker.values()) == x.npartitions
     assert sum(s["sub_chunks"] for s in per_worker.values()) == 4 * x.npartitions
     assert all(s["in_flight"] == 0 and s["partitions_active"] == 0 for s in per_worker.values())
+
+
+@pytest.mark.parametrize("split_axis", [None, 0])
+def test_enforce_ndim_has_dasks_meaning(split_axis):
+    """Accepted, never handed to ``func`` (not in dtype inference either), and a block of
+    the wrong dimension fails as Dask's does."""
+    a = np.arange(48.0).reshape(8, 6)
+    x = da.from_array(a, chunks=(4, 3))
+    ours = dask_overlap.map_blocks(np.sqrt, x, enforce_ndim=True, split_axis=split_axis)
+    theirs = da.map_blocks(np.sqrt, x, enforce_ndim=True)
+    np.testing.assert_array_equal(ours.compute(), theirs.compute())
+    flat = dask_overlap.map_blocks(np.ravel, x, dtype=float, enforce_ndim=True)
+    with pytest.raises(ValueError, match="shape"):
+        flat.compute()

@@ -1,0 +1,105 @@
+"""What ``func`` will be handed and will return, settled before any partition runs.
+
+- Inputs: array subclasses whose meaning lives beside the data (a masked array's mask,
+  ``np.matrix``'s shapes) would be lost by the copies to the device, so they are refused
+  with a ``TypeError`` that names the argument.
+- The output's dtype, when not given: Dask calls ``func`` on tiny NumPy blocks. A ``func``
+  written for the GPU may only accept CuPy arrays (any ``cupyx.scipy`` call), so where the
+  backend resolves to ``cuda`` in this process a failed NumPy attempt is retried on CuPy
+  blocks. What ``func`` returns must be an array: a list or a string is reported as such,
+  not as an unsupported dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import dask.array as da
+import numpy as np
+from dask.utils import funcname
+
+__all__ = ["infer_dtype", "refuse_subclasses"]
+
+
+def _refused(x: Any) -> str | None:
+    """What is wrong with ``x`` (a meta or a block) as an input, if anything."""
+    if isinstance(x, np.ma.MaskedArray):
+        return (
+            "a masked array: dask_overlap copies only data, so its mask would be lost; fill "
+            "it first (x.filled(...)), or pass da.ma.getdata(x) and da.ma.getmaskarray(x) as "
+            "two inputs, or use dask.array.map_blocks"
+        )
+    if isinstance(x, np.matrix):
+        return "an np.matrix, whose shapes are not an ndarray's: pass np.asarray blocks"
+    return None
+
+
+def refuse_subclasses(arrays: Sequence[Any], positions: Sequence[int]) -> None:
+    """Raise ``TypeError`` for an input whose blocks are a subclass that copies would strip.
+
+    Examples
+    --------
+    >>> x = da.ma.masked_invalid(da.from_array(np.array([1.0, np.nan])))
+    >>> refuse_subclasses([x], [0])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: arrays[0] is a masked array: dask_overlap copies only data, ...
+    """
+    for i in positions:
+        why = _refused(getattr(arrays[i], "_meta", None))
+        if why is not None:
+            raise TypeError(f"arrays[{i}] is {why}")
+
+
+def refuse_block(x: Any, where: str) -> None:
+    """The same refusal for one block at run time (a meta can say less than its blocks)."""
+    why = _refused(x)
+    if why is not None:
+        raise TypeError(f"{where} got a block that is {why}")
+
+
+def _ones(a: da.Array, xp: Any) -> Any:
+    return xp.ones((1,) * a.ndim, dtype=a.dtype)
+
+
+def infer_dtype(
+    func: Callable[..., Any], arrays: Sequence[Any], kwargs: dict, on_gpu: bool
+) -> np.dtype:
+    """The dtype ``func`` returns on blocks of ones: NumPy blocks first, then (``on_gpu``)
+    CuPy blocks.
+
+    Examples
+    --------
+    >>> infer_dtype(lambda b: b * 0.5, [da.ones(4, dtype="i4")], {}, on_gpu=False)
+    dtype('float64')
+    >>> infer_dtype(lambda b: b.tolist(), [da.ones(4)], {}, on_gpu=False)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: lambda must return an array, got list (from a call on blocks of ones, ...)
+    """
+    modules: list[Any] = [np]
+    if on_gpu:
+        import cupy
+
+        modules.append(cupy)
+    errors = []
+    for xp in modules:
+        args = [_ones(a, xp) if isinstance(a, da.Array) else a for a in arrays]
+        try:
+            with np.errstate(all="ignore"):
+                raw = func(*args, **kwargs)
+        except Exception as e:
+            errors.append(f"on {xp.__name__} blocks: {type(e).__name__}: {e}")
+            continue
+        if not (hasattr(raw, "dtype") and hasattr(raw, "shape")):
+            raise TypeError(
+                f"{funcname(func)} must return an array, got {type(raw).__name__} (from a "
+                "call on blocks of ones, to infer the output dtype)"
+            )
+        return np.dtype(raw.dtype)
+    raise ValueError(
+        f"`dtype` inference failed in `map_blocks`: {funcname(func)} raised "
+        + "; ".join(errors)
+        + ". Please specify the dtype explicitly using the `dtype` kwarg."
+    )
