@@ -414,3 +414,30 @@ def test_many_small_partitions_on_many_threads_reuse_their_events() -> None:
     assert stats["pinned_bytes_in_use"] == 0
     assert 0 < len(rt.backend._marks) <= 4 * 8 * 2  # reused: about one set per thread
     assert len(rt.timeline) >= 3 * 400 or len(rt.timeline) == rt.timeline.maxlen
+
+
+# -- issue 13: what func may do and return -----------------------------------------------
+@pytest.mark.parametrize("split_axis", [None, 0])
+def test_out_device_blocks_are_cupy_even_when_func_returns_numpy(split_axis: int | None) -> None:
+    x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    y = dask_overlap.map_blocks(
+        lambda b: cp.asnumpy(b) * 2, views(x, 16), split_axis=split_axis, out="device"
+    )
+    assert isinstance(y._meta, cp.ndarray)
+    (done,) = dask.persist(y)
+    blocks = [done.__dask_graph__()[k] for k in dask.core.flatten(done.__dask_keys__())]
+    assert all(isinstance(b, cp.ndarray) for b in blocks)
+    np.testing.assert_array_equal(cp.asnumpy(done.compute()), x * 2)
+
+
+def test_dtype_inferred_for_a_func_that_only_takes_cupy() -> None:
+    """cupyx.scipy refuses NumPy blocks: inference retries on CuPy blocks."""
+    from cupyx.scipy import ndimage
+
+    x = np.random.default_rng(2).standard_normal((64, 64)).astype(np.float32)
+    y = dask_overlap.map_blocks(lambda b: ndimage.uniform_filter(b, 3), views(x, 16))
+    assert y.dtype == np.float32
+    expected = np.concatenate(
+        [cp.asnumpy(ndimage.uniform_filter(cp.asarray(x[i : i + 16]), 3)) for i in range(0, 64, 16)]
+    )
+    np.testing.assert_allclose(y.compute(), expected, rtol=1e-6)

@@ -525,9 +525,6 @@ class CudaBackend:
             return func(*args, **kwargs)
 
     def copy_out(self, stream: CudaStream, device: Any, out: np.ndarray) -> None:
-        if isinstance(device, np.ndarray):  # func returned host memory: already complete
-            np.copyto(out, device)
-            return
         if out.nbytes == 0:
             return
         with self._span(stream, "d2h"):
@@ -569,10 +566,13 @@ class CudaBackend:
             out[...] = device  # a device-to-device copy kernel on ``stream`` (current)
 
     def as_result(self, x: Any) -> Any | None:
-        if isinstance(x, (cupy.ndarray, np.ndarray)):
+        # Called in the stream's order (the stream is current): a func that returned host
+        # memory gets it copied to the device here, so that every block with out="device"
+        # is a CuPy array, as its meta says.
+        if isinstance(x, cupy.ndarray):
             return x
-        if isinstance(x, np.generic):
-            return np.asarray(x)
+        if isinstance(x, (np.ndarray, np.generic)):
+            return cupy.asarray(x)
         return None
 
     def naive(self, func: Callable[..., Any], *blocks: np.ndarray, **kwargs: Any) -> np.ndarray:
