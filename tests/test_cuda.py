@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import pickle
@@ -441,3 +442,32 @@ def test_dtype_inferred_for_a_func_that_only_takes_cupy() -> None:
         [cp.asnumpy(ndimage.uniform_filter(cp.asarray(x[i : i + 16]), 3)) for i in range(0, 64, 16)]
     )
     np.testing.assert_allclose(y.compute(), expected, rtol=1e-6)
+
+
+@functools.cache
+def _slow_on_legacy() -> Any:
+    return cp.ElementwiseKernel(
+        "float32 x, int32 n",
+        "float32 y",
+        "float v = x; for (int k = 0; k < n; ++k) { v = v * 0.5f + x * 0.5f; } y = v * 2 + 1;",
+        "dask_overlap_test_slow_legacy",
+    )
+
+
+def legacy_affine(b: Any) -> Any:
+    """``affine`` computed by a long kernel on the legacy default stream, as a library
+    that ignores CuPy's current stream would."""
+    with cp.cuda.Stream.null:
+        out = cp.empty_like(b)
+        _slow_on_legacy()(b, np.int32(20000), out)
+    return out
+
+
+@pytest.mark.parametrize("split_axis", [None, 0])
+def test_work_on_the_legacy_default_stream_is_ordered(split_axis: int | None) -> None:
+    """It starts after the copy-in and the copy back waits for it (#13 item 1)."""
+    x = np.random.default_rng(3).standard_normal((4096, 256)).astype(np.float32)
+    with dask.config.set({"num_workers": 4}):
+        y = dask_overlap.map_blocks(legacy_affine, views(x, 512), split_axis=split_axis)
+        for _ in range(3):
+            np.testing.assert_array_equal(y.compute(), x * 2 + 1)

@@ -217,6 +217,9 @@ class CudaStream:
         # Completion events that have fired, for reuse: creating one per sub-chunk costs a
         # driver call (and its destruction another).
         self._events: list[Any] = []
+        with self._device:
+            self._to_legacy = cupy.cuda.Event(disable_timing=True)
+            self._from_legacy = cupy.cuda.Event(disable_timing=True)
         self._waits: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._wait_loop, name=name, daemon=True)
         self._thread.start()
@@ -252,6 +255,20 @@ class CudaStream:
         self._events.append(event)  # fired: free for the next one
         del keep  # the copies that read it have completed
         return result
+
+    def order_legacy_after(self) -> None:
+        """Work put on the legacy default stream from now on waits for this stream's."""
+        self._to_legacy.record(self.cupy)
+        cupy.cuda.Stream.null.wait_event(self._to_legacy)
+
+    def order_after_legacy(self) -> None:
+        """This stream's next work waits for what the legacy default stream has now.
+
+        (Each event is this stream's and is re-recorded by whichever thread comes next: a
+        wait captures the event as it is when it is enqueued, so a later record only makes
+        a waiter wait for more, never for less.)"""
+        self._from_legacy.record(cupy.cuda.Stream.null)
+        self.cupy.wait_event(self._from_legacy)
 
     def _event(self) -> Any:
         """A completion event: one that has fired before, or a new one."""
@@ -522,7 +539,15 @@ class CudaBackend:
         self, stream: CudaStream, func: Callable[..., Any], args: list, kwargs: dict
     ) -> Any:
         with self._span(stream, "compute"):
-            return func(*args, **kwargs)
+            # ``func`` may put work on the legacy default stream (a library that ignores
+            # CuPy's current stream, a Numba kernel, ``with cupy.cuda.Stream.null``), which
+            # our non-blocking streams do not wait for, nor it for them: that work starts
+            # after this sub-chunk's copy-in, and the copy back (and every free after it)
+            # starts after that work.
+            stream.order_legacy_after()
+            result = func(*args, **kwargs)
+            stream.order_after_legacy()
+            return result
 
     def copy_out(self, stream: CudaStream, device: Any, out: np.ndarray) -> None:
         if out.nbytes == 0:
