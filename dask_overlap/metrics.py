@@ -40,11 +40,12 @@ import contextlib
 import functools
 import os
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from .process import Registry
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -372,8 +373,10 @@ def snapshot(
 
 
 # Workers of this process that carry metrics, by id: (weak reference, runtime).
-_installed: dict[int, tuple[weakref.ref, Runtime]] = {}
-_installed_lock = threading.Lock()
+# The runtime whose metrics each worker reports, by id(worker) (see dask_overlap.process).
+_installed: Registry[int, tuple[weakref.ref, Runtime]] = Registry(
+    "runtimes whose metrics workers report, by id(worker)"
+)
 _collector: Any = None
 
 
@@ -389,8 +392,8 @@ def install_worker_metrics(worker: Worker, rt: Runtime) -> None:
         return snapshot(rt, float(window), int(limit))
 
     worker.handlers[SNAPSHOT_HANDLER] = handler
-    with _installed_lock:
-        _installed[id(worker)] = (weakref.ref(worker), rt)
+    with _installed.lock:
+        _installed.items[id(worker)] = (weakref.ref(worker), rt)
     _register_collector()
 
 
@@ -398,13 +401,13 @@ def uninstall_worker_metrics(worker: Worker) -> None:
     """Undo :func:`install_worker_metrics` (the Prometheus collector stays, reporting none)."""
     worker.metrics.pop(METRICS_NAME, None)
     worker.handlers.pop(SNAPSHOT_HANDLER, None)
-    with _installed_lock:
-        _installed.pop(id(worker), None)
+    with _installed.lock:
+        _installed.items.pop(id(worker), None)
 
 
 def _live_workers() -> list[tuple[str, Runtime]]:
-    with _installed_lock:
-        items = list(_installed.items())
+    with _installed.lock:
+        items = list(_installed.items.items())
     out = []
     for _, (ref, rt) in items:
         worker = ref()
@@ -490,7 +493,7 @@ def _register_collector() -> None:
         from prometheus_client import REGISTRY
     except ImportError:  # prometheus_client is optional (the dashboard extra)
         return
-    with _installed_lock:
+    with _installed.lock:
         if _collector is not None:
             return
         _collector = _Collector()

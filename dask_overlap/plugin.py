@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ from distributed.worker import get_worker
 
 from .config import Options
 from .metrics import install_worker_metrics, uninstall_worker_metrics
+from .process import Registry
 from .runtime import Runtime
 
 if TYPE_CHECKING:
@@ -34,8 +34,8 @@ _DRAIN_SECONDS = 30.0
 
 # The runtimes that plugins built in this process, by worker (id of the Worker object):
 # one per worker, since a worker holds at most one plugin of a given name.
-_live: dict[int, Runtime] = {}
-_live_lock = threading.Lock()
+# The runtime each plugin built, by id(worker) (see dask_overlap.process).
+_live: Registry[int, Runtime] = Registry("worker plugins' runtimes, by id(worker)")
 
 
 def resolve_options(options: Options | None = None, **overrides: Any) -> Options:
@@ -84,11 +84,11 @@ def worker_runtime(backend: str | None = None) -> Runtime | None:
         worker = get_worker()
     except ValueError:
         worker = None
-    with _live_lock:
+    with _live.lock:
         if worker is not None:
-            rt = _live.get(id(worker))
-        elif len(_live) == 1:
-            rt = next(iter(_live.values()))
+            rt = _live.items.get(id(worker))
+        elif len(_live.items) == 1:
+            rt = next(iter(_live.items.values()))
         else:
             rt = None
     if rt is None or rt.closed or not _serves(rt, backend):
@@ -133,17 +133,17 @@ class OverlapPlugin(WorkerPlugin):
 
     async def setup(self, worker: Worker) -> None:
         rt = await asyncio.to_thread(Runtime, self.options)
-        with _live_lock:
-            old = _live.pop(id(worker), None)
-            _live[id(worker)] = rt
+        with _live.lock:
+            old = _live.items.pop(id(worker), None)
+            _live.items[id(worker)] = rt
         if old is not None:  # pragma: no cover - a worker removes its old plugin first
             await asyncio.to_thread(old.close)
         install_worker_metrics(worker, rt)  # heartbeat entry, dashboard handler, /metrics
         worker.log_event(self.name, {"action": "setup", "backend": rt.name})
 
     async def teardown(self, worker: Worker) -> None:
-        with _live_lock:
-            rt = _live.pop(id(worker), None)
+        with _live.lock:
+            rt = _live.items.pop(id(worker), None)
         if rt is None:
             return
         uninstall_worker_metrics(worker)
@@ -155,8 +155,8 @@ class OverlapPlugin(WorkerPlugin):
 
     def runtime(self, worker: Worker) -> Runtime | None:
         """The runtime this plugin built for ``worker`` (``None`` before setup, after teardown)."""
-        with _live_lock:
-            return _live.get(id(worker))
+        with _live.lock:
+            return _live.items.get(id(worker))
 
 
 def _drain_and_close(rt: Runtime) -> dict[str, Any]:

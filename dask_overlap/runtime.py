@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import atexit
 import collections
+import copy
+import dataclasses
 import threading
 import time
+import warnings
 from typing import Any, NamedTuple
+
+import dask.config
 
 from .backends import Backend, Stream, make_backend, resolve_backend
 from .config import Options
 from .copies import Copier, auto_threads
+from .process import Registry
 from .stats import Counters
 
 __all__ = ["Runtime", "Span", "close_runtimes", "idle_stats", "process_runtime", "process_runtimes"]
@@ -71,6 +77,10 @@ class Runtime:
         self._turn = 0
         self._lock = threading.Lock()
         self.closed = False
+        # The overlap.* settings it was built from (see process_runtime), and whether a
+        # change of them while it was busy has been warned about.
+        self.settings: dict[str, Any] = {}
+        self.warned = False
         # The most recent stage spans, newest last: the assembly line as it ran.
         self.timeline: collections.deque[Span] = collections.deque(maxlen=TIMELINE_LENGTH)
 
@@ -149,24 +159,66 @@ class Runtime:
         self.backend.close()
 
 
-_runtimes: dict[str, Runtime] = {}
-_runtimes_lock = threading.Lock()
+# This process's own runtimes (the threaded and synchronous schedulers'), by backend.
+_runtimes: Registry[str, Runtime] = Registry("runtimes of this process, by backend")
+
+
+def _settings() -> dict[str, Any]:
+    """The ``overlap`` settings as they are now (compared, not read, on every task)."""
+    return dask.config.config.get("overlap") or {}
 
 
 def process_runtime(backend: str) -> Runtime:
-    """This process's own runtime for ``backend`` (resolved, not ``auto``), made on first use."""
+    """This process's own runtime for ``backend`` (resolved, not ``auto``), made on first use.
+
+    Settings changed since it was built (``overlap.*``: pool sizes, streams, threads) are
+    applied by building it again once no partition runs on it; until then a warning names
+    them, once.
+    """
     name = resolve_backend(backend)
-    with _runtimes_lock:
-        rt = _runtimes.get(name)
+    settings = _settings()
+    with _runtimes.lock:
+        rt = _runtimes.items.get(name)
+        if rt is not None and not rt.closed and rt.settings != settings:
+            rt = _settle(rt, settings)
         if rt is None or rt.closed:
-            rt = _runtimes[name] = Runtime(Options.from_config(backend=name))
+            rt = _runtimes.items[name] = Runtime(Options.from_config(backend=name))
+            rt.settings = copy.deepcopy(settings)
         return rt
+
+
+def _settle(rt: Runtime, settings: dict[str, Any]) -> Runtime | None:
+    """``rt``, or ``None`` (closed, to be built again) when the settings changed what it
+    is and no partition runs on it."""
+    options = Options.from_config(backend=rt.name)
+    changed = [
+        f"overlap.{f.name.replace('_', '-')} ({getattr(rt.options, f.name)!r} -> "
+        f"{getattr(options, f.name)!r})"
+        for f in dataclasses.fields(Options)
+        if f.name != "backend" and getattr(options, f.name) != getattr(rt.options, f.name)
+    ]
+    if not changed:
+        rt.settings = copy.deepcopy(settings)
+        return rt
+    if rt.counters.partitions_active == 0:
+        rt.close()
+        return None
+    if not rt.warned:
+        rt.warned = True
+        warnings.warn(
+            f"{', '.join(changed)} changed after this process's {rt.name} runtime was built, "
+            "while partitions run on it: they apply once none does (the runtime is built "
+            "again then)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return rt
 
 
 def process_runtimes() -> dict[str, Runtime]:
     """This process's own runtimes that exist now, by backend name."""
-    with _runtimes_lock:
-        return dict(_runtimes)
+    with _runtimes.lock:
+        return dict(_runtimes.items)
 
 
 def idle_stats(backend: str) -> dict[str, Any]:
@@ -186,8 +238,8 @@ def idle_stats(backend: str) -> dict[str, Any]:
 @atexit.register
 def close_runtimes() -> None:
     """Close every runtime of this process."""
-    with _runtimes_lock:
-        rts = list(_runtimes.values())
-        _runtimes.clear()
+    with _runtimes.lock:
+        rts = list(_runtimes.items.values())
+        _runtimes.items.clear()
     for rt in rts:
         rt.close()

@@ -151,8 +151,8 @@ def test_runner_reaches_but_never_exceeds_the_window(window, monkeypatch):
     the runner must admit and copy in ``window`` sub-chunks at once to get past them
     quickly (the runtime's streams outnumber the window, so none queues behind another).
     """
-    with dask.config.set({"overlap.streams": 4}):
-        rt = dask_overlap.get_runtime("host")
+    settings = dask.config.set({"overlap.streams": 4})  # in force until the end
+    rt = dask_overlap.get_runtime("host")
     backend = rt.backend
     lock = threading.Lock()
     live = {"now": 0, "max": 0}
@@ -195,6 +195,7 @@ def test_runner_reaches_but_never_exceeds_the_window(window, monkeypatch):
     s = stats()
     assert s["max_window"] == window
     assert s["in_flight"] == 0
+    settings.__exit__(None, None, None)
 
 
 # -- several inputs, broadcasting, alignment by block position --------------------------

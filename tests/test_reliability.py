@@ -31,6 +31,7 @@ from support import kill_a_busy_worker, poll
 
 import dask_overlap
 from dask_overlap import OverlapPlugin, runtime_stats
+from dask_overlap.runtime import process_runtimes
 
 # These tests watch the ring with tiny arrays: every sub-chunk goes through it.
 pytestmark = pytest.mark.usefixtures("ring_only")
@@ -701,3 +702,32 @@ def test_worker_killed_mid_computation(tmp_path) -> None:
             )
         )
         assert victim not in stats
+
+
+# -- fork: a child starts with no runtime of its parent's (#13 item 3) ---------------------
+def _in_forked_child(queue: Any) -> None:
+    from dask_overlap.process import registries
+
+    emptied = all(not reg.items for reg in registries())
+    x = da.from_array(np.arange(64.0).reshape(16, 4), chunks=(4, 4))
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=32)
+    # The synchronous scheduler: Dask's own thread pool does not survive a fork either.
+    queue.put((emptied, y.compute(scheduler="sync")))
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_builds_its_own_runtime():
+    import multiprocessing
+
+    x = da.from_array(np.arange(64.0).reshape(16, 4), chunks=(4, 4))
+    dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=32).compute()
+    assert process_runtimes()  # the parent has one, with its threads
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_in_forked_child, args=(queue,))
+    child.start()
+    emptied, got = queue.get(timeout=45)  # before the fix: the child hung here
+    child.join(15)
+    assert child.exitcode == 0
+    assert emptied
+    np.testing.assert_array_equal(got, -np.arange(64.0).reshape(16, 4))

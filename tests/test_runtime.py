@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import warnings
+
 import dask
 import dask.array as da
 import numpy as np
@@ -163,18 +166,53 @@ def test_pinned_pool_smaller_than_the_result_waits_instead_of_falling_back(pool)
 def test_runtime_is_per_process_and_built_from_config():
     with dask.config.set({"overlap.pinned-pool-size": 12345, "overlap.streams": 3}):
         rt = dask_overlap.get_runtime()
-    assert rt is dask_overlap.get_runtime()
-    assert rt is dask_overlap.get_runtime("host")
-    assert rt.name == "host"
-    stats = dask_overlap.runtime_stats()
-    assert stats["pinned_pool_size"] == 12345
-    assert stats["streams"] == 3
+        assert rt is dask_overlap.get_runtime()
+        assert rt is dask_overlap.get_runtime("host")
+        assert rt.name == "host"
+        stats = dask_overlap.runtime_stats()
+        assert stats["pinned_pool_size"] == 12345
+        assert stats["streams"] == 3
     dask_overlap.close_runtimes()
     assert rt.closed
     fresh = dask_overlap.get_runtime()
     assert fresh is not rt
     assert dask_overlap.runtime_stats()["pinned_pool_size"] != 12345
     rt.close()  # idempotent
+
+
+def test_settings_changed_later_apply_once_the_runtime_is_idle():
+    """#13 item 12: not silently ignored. Idle: built again from them at once. Busy: a
+    warning names them, once, and they apply when the partitions are done."""
+    a, x = data()
+    rt = dask_overlap.get_runtime("host")
+    with dask.config.set({"overlap.streams": 3}):
+        idle = dask_overlap.get_runtime("host")
+        assert idle is not rt and rt.closed and len(idle.streams) == 3
+        np.testing.assert_array_equal(dask_overlap.map_blocks(np.negative, x).compute(), -a)
+    started, release = threading.Event(), threading.Event()
+
+    def held(b):
+        started.set()
+        release.wait(10)
+        return -b
+
+    y = dask_overlap.map_blocks(held, x[:10], dtype=x.dtype, meta=x._meta)  # not called early
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(y.compute(scheduler="sync")))
+    runner.start()
+    assert started.wait(10)
+    busy = dask_overlap.get_runtime("host")
+    with dask.config.set({"overlap.streams": 2}):
+        with pytest.warns(RuntimeWarning, match=r"overlap\.streams \(16 -> 2\)"):
+            assert dask_overlap.get_runtime("host") is busy  # busy: kept, and warned
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert dask_overlap.get_runtime("host") is busy  # once
+        release.set()
+        runner.join(10)
+        np.testing.assert_array_equal(result[0], -a[:10])
+        rebuilt = dask_overlap.get_runtime("host")
+        assert rebuilt is not busy and len(rebuilt.streams) == 2
 
 
 def test_separate_runtimes_per_backend():
