@@ -407,6 +407,20 @@ class _PartitionRun:
     def _post(self, event: Done | Failed) -> None:
         self.events.put(event)
 
+    def _callback(self, i: int, stage: Stage, fn: Callable[..., None]) -> Callable[..., None]:
+        """``fn`` to be called back from another thread for sub-chunk ``i``: should it raise,
+        the sub-chunk fails with that error, rather than leave the driver waiting for an
+        event that would never come."""
+
+        def call(*args: Any) -> None:
+            try:
+                fn(*args)
+            except BaseException as e:
+                self.failed.add(i)
+                self.events.put(Failed(stage, i, e))
+
+        return call
+
     def _dispatch(self, actions: list[Action]) -> None:
         # H2D, COMPUTE and D2H of a sub-chunk come together (see the engine) and are
         # enqueued as one: the H2D action starts them, the other two have nothing to do.
@@ -485,7 +499,7 @@ class _PartitionRun:
             sub.spans.append((stage.name.lower(), t0, time.time(), nbytes))
             self._post(Done(stage, i))
 
-        self.rt.copies.copy(copies, fn, done)  # the next sub-chunk overlaps it
+        self.rt.copies.copy(copies, fn, self._callback(i, stage, done))  # overlapped
 
     def _device(self, i: int) -> None:
         """H2D, COMPUTE and D2H of sub-chunk ``i``, enqueued together on one stream; its
@@ -504,9 +518,9 @@ class _PartitionRun:
                 self.failed.add(i)
                 self._post(Failed(sub.stage_now, i, error))
             else:
-                stream.on_complete(completed)
+                stream.on_complete(self._callback(i, Stage.D2H, completed))
 
-        stream.submit(self._device_work(i, stream), issued)
+        stream.submit(self._device_work(i, stream), self._callback(i, Stage.H2D, issued))
 
     def _device_work(self, i: int, stream: Any) -> Callable[[], None]:
         """What enqueues sub-chunk ``i``'s H2D, COMPUTE and D2H on ``stream``, with a mark

@@ -731,3 +731,46 @@ def test_a_forked_child_builds_its_own_runtime():
     assert child.exitcode == 0
     assert emptied
     np.testing.assert_array_equal(got, -np.arange(64.0).reshape(16, 4))
+
+
+# -- no hang when a stream's thread is gone or a callback raises (#13 item 6) ------------
+@pytest.mark.timeout(60)
+def test_partitions_complete_when_the_stream_threads_are_gone():
+    a = np.arange(640.0).reshape(64, 10)
+    x = da.from_array(a, chunks=(16, 10))
+    rt = dask_overlap.get_runtime("host")
+    for stream in rt.streams:  # each thread ends as if it had died, the stream not closed
+        stream._queue.put(_stop_of(stream))
+        stream._thread.join(10)
+        assert not stream._thread.is_alive()
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=160)
+    np.testing.assert_array_equal(y.compute(), -a)
+
+
+def _stop_of(stream: Any) -> Any:
+    """What ends a host stream's thread (without marking the stream closed)."""
+    from dask_overlap.backends import host
+
+    return host._STOP
+
+
+@pytest.mark.timeout(60)
+def test_a_callback_that_raises_fails_its_partition_instead_of_hanging(monkeypatch):
+    from dask_overlap import partition
+
+    real = partition._PartitionRun._post
+    raised = []
+
+    def post(self, event):
+        if threading.current_thread() is not threading.main_thread() and not raised:
+            raised.append(event)
+            raise RuntimeError("a callback broke")
+        real(self, event)
+
+    monkeypatch.setattr(partition._PartitionRun, "_post", post)
+    x = da.from_array(np.arange(640.0).reshape(64, 10), chunks=(64, 10))
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=160)
+    with pytest.raises(RuntimeError, match="a callback broke"):
+        y.compute(scheduler="sync")
+    assert raised
+    assert wait_until_idle()["partitions_active"] == 0

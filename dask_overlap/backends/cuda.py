@@ -289,11 +289,11 @@ class CudaStream:
             event = self._event()
             event.record(self.cupy)
             keep, self._keep = self._keep, []
-            if not self._closed:
+            if not self._closed and self._thread.is_alive():
                 self._waits.put((event, callback, keep))
                 return
-        # Closed (a runtime closed under a partition still running): no waiter thread is
-        # left, so wait here rather than never call back.
+        # Closed (a runtime closed under a partition still running), or the waiter is
+        # gone: wait here rather than never call back.
         error = None
         try:
             event.synchronize()

@@ -22,6 +22,22 @@ __all__ = ["HostBackend", "HostStream"]
 _STOP = object()
 
 
+def _run(fn: Callable[[], Any], on_done: OnDone, exclusive: Any) -> None:
+    """``fn()`` holding ``exclusive``, then ``on_done(result, error)``; nothing that either
+    raises escapes (a stream's thread must outlive any one piece of work)."""
+    try:
+        with exclusive:
+            result = fn()
+    except BaseException as e:  # handed to the runner, which re-raises it
+        result, error = None, e
+    else:
+        error = None
+    try:
+        on_done(result, error)
+    except BaseException:
+        pass  # the runner's callbacks fail their own sub-chunk (partition._callback)
+
+
 class HostStream:
     """A thread that runs submitted work in order: the host's stand-in for a stream."""
 
@@ -41,33 +57,23 @@ class HostStream:
             if item is _STOP:
                 return
             fn, on_done = item
-            try:
-                with self._busy:
-                    result = fn()
-            except BaseException as e:  # handed to the runner, which re-raises it
-                on_done(None, e)
-            else:
-                on_done(result, None)
-            # Drop the references now: an idle thread must not keep the last sub-chunk's
-            # buffers (and through them pinned blocks) alive.
-            del item, fn, on_done
-            result = None
+            # Drop the references after each item: an idle thread must not keep the last
+            # sub-chunk's buffers (and through them pinned blocks) alive.
+            del item
+            _run(fn, on_done, self._busy)
+            del fn, on_done
 
     def submit(self, fn: Callable[[], Any], on_done: OnDone) -> None:
         with self._lock:
-            if not self._closed:
+            if not self._closed and self._thread.is_alive():
                 self._queue.put((fn, on_done))
                 return
-        # Closed (a runtime closed under a partition still running): run it here, after
-        # everything queued before, rather than queue it where no thread will ever run it.
+        # Closed (a runtime closed under a partition still running), or the thread is
+        # gone: run it here, after everything queued before, rather than queue it where
+        # no thread will ever run it.
         if threading.current_thread() is not self._thread:
             self._thread.join()
-        try:
-            result = fn()
-        except BaseException as e:
-            on_done(None, e)
-        else:
-            on_done(result, None)
+        _run(fn, on_done, self._busy)
 
     def run(self, fn: Callable[[], Any]) -> Any:
         # Host work is synchronous: done when fn returns.
