@@ -471,3 +471,25 @@ def test_work_on_the_legacy_default_stream_is_ordered(split_axis: int | None) ->
         y = dask_overlap.map_blocks(legacy_affine, views(x, 512), split_axis=split_axis)
         for _ in range(3):
             np.testing.assert_array_equal(y.compute(), x * 2 + 1)
+
+
+RESOURCE_SET_BEFORE = """
+import dask, dask.array as da, numpy as np, rmm, dask_overlap
+mine = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=2**28)
+rmm.mr.set_current_device_resource(mine)
+dask.config.set({"overlap.backend": "cuda"})
+x = da.ones((2048, 1024), chunks=(256, 1024), dtype="f4")
+got = dask_overlap.map_blocks(lambda b: b * 2, x, split_axis=0).compute()
+assert (got == 2).all()
+assert rmm.mr.get_current_device_resource() is mine, "the user's resource was replaced"
+print("kept", type(rmm.mr.get_current_device_resource()).__name__)
+"""
+
+
+def test_an_rmm_resource_set_before_is_used_not_replaced() -> None:
+    """#13 item 13: beside dask-cuda's RMMSetup or a user's own pool, no second pool."""
+    done = subprocess.run(
+        [sys.executable, "-c", RESOURCE_SET_BEFORE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "kept PoolMemoryResource" in done.stdout

@@ -356,9 +356,19 @@ def _allocate(nbytes: int) -> Any:
 
 
 def _device_pool(device_id: int, size: int, resource: str) -> Any:
-    """This process's RMM device pool for ``device_id``, installed as CuPy's allocator."""
+    """This process's RMM device resource for ``device_id``, CuPy's allocator through it.
+
+    When nobody has set one, a pool of ``size`` bytes made here and set process-wide.
+    When one is set already (dask-cuda's ``RMMSetup``, a user's own pool), that one, and
+    ``size`` does not apply: a second pool beside it would split the device between two
+    owners.
+    """
     with _device_pools_lock:
         stats = _device_pools.get(device_id)
+        current = rmm.mr.get_per_device_resource(device_id)
+        if stats is None and type(current) is not rmm.mr.CudaMemoryResource:
+            cupy.cuda.set_allocator(_allocate)  # CuPy's arrays into that resource too
+            _device_pools[device_id] = stats = current
         if stats is None:
             size = _align_up(size)
             with cupy.cuda.Device(device_id):
@@ -461,6 +471,8 @@ class CudaBackend:
         np.copyto(dst, src)
 
     def device_bytes_in_use(self) -> int | None:
+        if not isinstance(self._device_mr, rmm.mr.StatisticsResourceAdaptor):
+            return None  # a resource somebody else set, which does not count its bytes
         counts = self._device_mr.allocation_counts
         return int(counts["current_bytes"] if isinstance(counts, dict) else counts.current_bytes)
 
