@@ -499,3 +499,60 @@ def test_enforce_ndim_has_dasks_meaning(split_axis):
     flat = dask_overlap.map_blocks(np.ravel, x, dtype=float, enforce_ndim=True)
     with pytest.raises(ValueError, match="shape"):
         flat.compute()
+
+
+# -- realistic workloads, against Dask's own map_blocks (#13) -----------------------------
+def _gaussian(b):
+    from scipy import ndimage
+
+    return ndimage.gaussian_filter(b, sigma=1.5, mode="nearest")
+
+
+def _spectrum(b):
+    return np.abs(np.fft.rfft(b, axis=-1)).astype(np.float32)
+
+
+def _row_energy(b):
+    return (b.astype(np.float64) ** 2).sum(axis=1)
+
+
+def _weighted(b, w, offset):
+    return b * w + offset
+
+
+WORKLOADS = {
+    # name: (func, arrays builder, map_blocks keywords, split_axis)
+    "gaussian-filter": (_gaussian, lambda a: [a], {}, None),
+    "fft-spectrum": (_spectrum, lambda a: [a], {"dtype": np.float32, "chunks": (100, 33)}, 0),
+    "row-energy-drop-axis": (_row_energy, lambda a: [a], {"drop_axis": 1, "dtype": float}, 0),
+    "new-axis": (lambda b: b[:, None, :], lambda a: [a], {"new_axis": 1}, 0),
+    "broadcast-inputs": (_weighted, lambda a: [a, a[:1], np.float32(3)], {}, 0),
+    "big-endian": (np.sqrt, lambda a: [np.abs(a).astype(">f8")], {}, 0),
+    "strided": (np.negative, lambda a: [a[:, ::2]], {}, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_realistic_workloads_equal_dask(name):
+    func, build, keywords, split_axis = WORKLOADS[name]
+    a = np.random.default_rng(7).standard_normal((400, 64)).astype(np.float32)
+    args = [
+        da.from_array(v, chunks=(100, -1)) if isinstance(v, np.ndarray) and v.ndim else v
+        for v in build(a)
+    ]
+    ours = dask_overlap.map_blocks(func, *args, split_axis=split_axis, **keywords)
+    theirs = da.map_blocks(func, *args, **keywords)
+    got, expected = dask.compute(ours, theirs)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if name == "gaussian-filter":  # the same values over the same blocks
+        np.testing.assert_array_equal(got, expected)
+    else:
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_zero_length_chunks_and_chained_device_outputs():
+    a = np.arange(60.0).reshape(12, 5)
+    x = da.from_array(a, chunks=((0, 4, 0, 8), 5))
+    first = dask_overlap.map_blocks(lambda b: b * 2, x, out="device", split_axis=0)
+    second = dask_overlap.map_blocks(lambda b: b + 1, first, split_axis=0)
+    np.testing.assert_array_equal(second.compute(), a * 2 + 1)
