@@ -218,7 +218,6 @@ class CudaStream:
         # driver call (and its destruction another).
         self._events: list[Any] = []
         with self._device:
-            self._to_legacy = cupy.cuda.Event(disable_timing=True)
             self._from_legacy = cupy.cuda.Event(disable_timing=True)
         self._waits: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._wait_loop, name=name, daemon=True)
@@ -255,11 +254,6 @@ class CudaStream:
         self._events.append(event)  # fired: free for the next one
         del keep  # the copies that read it have completed
         return result
-
-    def order_legacy_after(self) -> None:
-        """Work put on the legacy default stream from now on waits for this stream's."""
-        self._to_legacy.record(self.cupy)
-        cupy.cuda.Stream.null.wait_event(self._to_legacy)
 
     def order_after_legacy(self) -> None:
         """This stream's next work waits for what the legacy default stream has now.
@@ -553,10 +547,11 @@ class CudaBackend:
         with self._span(stream, "compute"):
             # ``func`` may put work on the legacy default stream (a library that ignores
             # CuPy's current stream, a Numba kernel, ``with cupy.cuda.Stream.null``), which
-            # our non-blocking streams do not wait for, nor it for them: that work starts
-            # after this sub-chunk's copy-in, and the copy back (and every free after it)
-            # starts after that work.
-            stream.order_legacy_after()
+            # our non-blocking streams do not wait for: the copy back (and every free after
+            # it) starts after that work. (Making the legacy stream wait for our copy-in as
+            # well would chain every stream through it: on the H200 the default path with
+            # split_axis fell from 16 to 7.5 GB/s. Like any CuPy code that changes streams,
+            # such work must wait for its inputs on the stream it was handed.)
             result = func(*args, **kwargs)
             stream.order_after_legacy()
             return result
