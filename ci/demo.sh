@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 extra=""
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   cuda=$(nvidia-smi | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -n 1)
-  if [ "${cuda:-13}" -ge 13 ]; then extra="[cuda13]"; else extra="[cuda12]"; fi
+  if [ "${cuda:-13}" -ge 13 ]; then extra="cuda13,"; else extra="cuda12,"; fi
 fi
-python3 -m pip install -q --disable-pip-version-check -e ".${extra}"
+# The dashboard extra: the demo links its /overlap page, which needs bokeh.
+python3 -m pip install -q --disable-pip-version-check -e ".[${extra}dashboard]"
 exec python3 -m dask_overlap demo "$@"

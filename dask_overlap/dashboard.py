@@ -492,14 +492,22 @@ class OverlapSchedulerPlugin(SchedulerPlugin):
         if http is None:
             logger.warning("dask_overlap: the scheduler serves no HTTP; no /overlap page")
             return
+        prefix = _dashboard_prefix(scheduler)
+        root = f"/{prefix}" if prefix else ""
+        json_route = (rf"{root}/{PAGE}\.json", _json_handler(), {"plugin": self})
         try:
             from distributed.dashboard.core import BokehApplication
             from distributed.dashboard.scheduler import template_variables
             from tornado.ioloop import IOLoop
         except ImportError as e:
-            logger.warning("dask_overlap: no /overlap page without bokeh (%s)", e)
+            # The JSON needs no bokeh: serve it on the scheduler's own HTTP server.
+            http.add_handlers(r".*", [json_route])
+            logger.warning(
+                "dask_overlap: no /overlap page without bokeh (%s); /overlap.json is served "
+                "(pip install bokeh, or the dashboard extra, for the page)",
+                e,
+            )
             return
-        prefix = _dashboard_prefix(scheduler)
         variables = template_variables(scheduler)  # the dict every page's navbar reads
         if PAGE not in variables["pages"]:
             variables["pages"].append(PAGE)
@@ -509,8 +517,7 @@ class OverlapSchedulerPlugin(SchedulerPlugin):
             prefix=prefix,
             template_variables=variables,
         )
-        root = f"/{prefix}" if prefix else ""
-        app.add_handlers(r".*", [(rf"{root}/{PAGE}\.json", _json_handler(), {"plugin": self})])
+        app.add_handlers(r".*", [json_route])
         http.add_application(app)
         app.initialize(IOLoop.current())
         app.start()

@@ -224,3 +224,16 @@ def test_cli_worker_adds_the_page(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_json_is_served_without_bokeh(monkeypatch) -> None:
+    """#14 item 3: the page needs bokeh, ``/overlap.json`` does not. Here the import of
+    Dask's Bokeh application fails, as it does where bokeh is not installed."""
+    with LocalCluster(**CLUSTER) as cluster, Client(cluster) as client:
+        monkeypatch.setitem(sys.modules, "distributed.dashboard.core", None)
+        dask_overlap.register(client, **PLUGIN)
+        nbytes = run_once(client)
+        base = base_url(cluster)
+        check_snapshot(full_snapshot(base, cluster, nbytes), cluster)
+        assert get(f"{base}/overlap")[0] == 404  # no page, and no error either
+        assert cluster.scheduler.plugins["overlap-dashboard"].app is None
