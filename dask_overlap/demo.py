@@ -91,7 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         ) as cluster,
         Client(cluster) as client,
     ):
-        print(f"dashboard: {cluster.dashboard_link}")
+        page = cluster.dashboard_link.rsplit("/", 1)[0] + "/overlap"
+        stays = (
+            f"up while the demo runs and {args.keep_open:.0f} s after"
+            if args.keep_open > 0
+            else "up while the demo runs; --keep-open SECONDS keeps it up after"
+        )
+        print(f"dashboard: {cluster.dashboard_link}; the assembly line: {page} ({stays})")
         x = da.random.default_rng(42).random(
             (rows, cols), chunks=(rows_per_part, cols), dtype=np.float32
         )
