@@ -117,7 +117,7 @@ class _Sub:
         self.stage_now = Stage.H2D
         self.on_device = False  # counted in device_bytes_in_flight
         self.need: int | None = None  # ring bytes it reserves, worked out once
-        self.direct = False  # small enough to skip the ring (see DIRECT_BYTES)
+        self.direct = False  # small enough to skip the ring (the direct-bytes option)
 
 
 class _PartitionRun:
@@ -271,7 +271,7 @@ class _PartitionRun:
         counters.add(
             partitions=1,
             partitions_active=1,
-            window_capacity=1,
+            window_capacity=self.window,
             in_flight=1,
             device_bytes_in_flight=sub.h2d_bytes,
         )
@@ -304,28 +304,37 @@ class _PartitionRun:
             self.out = None
         finally:
             self._drop(0)
-            fallbacks = self.fallbacks + sub.fallbacks
-            counters.settle(
-                dict(
-                    self.tally,
-                    partitions_active=-1,
-                    window_capacity=-1,
-                    partitions_failed=int(error is not None),
-                    in_flight=-1,
-                    device_bytes_in_flight=-sub.h2d_bytes,
-                    sub_chunks=1,
-                    backpressure_seconds=meter.backpressure,
-                    pinned_fallbacks=fallbacks,
-                    ring_full=self.ring_full,
-                ),
+            self._settle(
+                error is not None,
                 1,
-                meter.busy,
+                partitions_active=-1,
+                window_capacity=-self.window,
+                in_flight=-1,
+                device_bytes_in_flight=-sub.h2d_bytes,
+                backpressure_seconds=meter.backpressure,
             )
-            meter.fallback(fallbacks)
             meter.digest()  # in this thread: context_meter is a ContextVar
         if error is not None:
             self._raise(error)
         return self.out
+
+    def _settle(self, failed: bool, max_window: int, **amounts: float) -> None:
+        """This partition's tallies into the runtime's counters, in one locked update (both
+        paths), plus what the path itself adds in ``amounts``; fallbacks to the meter."""
+        fallbacks = self.fallbacks + sum(sub.fallbacks for sub in self.subs)
+        self.rt.counters.settle(
+            dict(
+                self.tally,
+                partitions_failed=int(failed),
+                sub_chunks=len(self.subs),
+                pinned_fallbacks=fallbacks,
+                ring_full=self.ring_full,
+                **amounts,
+            ),
+            max_window,
+            self.meter.busy,
+        )
+        self.meter.fallback(fallbacks)
 
     def _raise(self, error: BaseException) -> None:
         """Re-raise a partition's failure; an out-of-memory error says where and how much."""
@@ -385,21 +394,12 @@ class _PartitionRun:
                 for i in range(n):
                     self._drop(i)
                 self.out = None
-            fallbacks = self.fallbacks + sum(sub.fallbacks for sub in self.subs)
-            counters.settle(
-                dict(
-                    self.tally,
-                    partitions_failed=int(pipe.error is not None),
-                    sub_chunks=n,
-                    in_flight=-in_flight,
-                    backpressure_seconds=waited,
-                    pinned_fallbacks=fallbacks,
-                    ring_full=self.ring_full,
-                ),
+            self._settle(
+                pipe.error is not None,
                 pipe.max_in_flight,
-                self.meter.busy,
+                in_flight=-in_flight,
+                backpressure_seconds=waited,
             )
-            self.meter.fallback(fallbacks)
         if pipe.error is not None:
             self._raise(pipe.error)
         return self.out

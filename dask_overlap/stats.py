@@ -34,19 +34,22 @@ class Counters:
         default_factory=threading.Lock, repr=False, compare=False
     )
 
+    def _add(self, amounts: dict[str, float]) -> None:
+        """Add ``amounts``; the caller holds the lock."""
+        for name, amount in amounts.items():
+            if amount:
+                setattr(self, name, getattr(self, name) + amount)
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
     def add(self, **amounts: float) -> None:
         with self._lock:
-            for name, amount in amounts.items():
-                setattr(self, name, getattr(self, name) + amount)
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self._add(amounts)
 
     def settle(self, amounts: dict[str, float], window: int, busy: dict[str, float]) -> None:
         """A partition's tallies at its end, under one lock: ``amounts`` added, the most
         sub-chunks its window held (``window``) and its stages' busy seconds."""
         with self._lock:
-            for name, amount in amounts.items():
-                if amount:
-                    setattr(self, name, getattr(self, name) + amount)
+            self._add(amounts)
             self.max_window = max(self.max_window, window)
             for stage, s in busy.items():
                 self.busy_seconds[stage] = self.busy_seconds.get(stage, 0.0) + s
