@@ -29,7 +29,7 @@ import dask.config
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .config import check_bytes
-from .metrics import METRICS_NAME, SNAPSHOT_HANDLER, TIMELINE_LIMIT
+from .metrics.worker import METRICS_NAME, TIMELINE_HANDLER, TIMELINE_LIMIT
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
@@ -564,9 +564,9 @@ class OverlapSchedulerPlugin(SchedulerPlugin):
 
     async def _fetch(self, ws: Any) -> dict[str, Any]:
         try:
-            call = getattr(self.scheduler.rpc(addr=ws.address), SNAPSHOT_HANDLER)
+            call = getattr(self.scheduler.rpc(addr=ws.address), TIMELINE_HANDLER)
             out = await asyncio.wait_for(
-                call(window=self.window, limit=self.timeline_limit), timeout=5
+                call(seconds=self.window, limit=self.timeline_limit), timeout=5
             )
         except Exception:  # the worker is going, or its plugin is: its last heartbeat
             out = dict(ws.metrics[METRICS_NAME])

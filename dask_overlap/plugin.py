@@ -18,7 +18,7 @@ from distributed import WorkerPlugin
 from distributed.worker import get_worker
 
 from .config import Options
-from .metrics import install_worker_metrics, uninstall_worker_metrics
+from .metrics.worker import install_worker_metrics, uninstall_worker_metrics
 from .process import Registry
 from .runtime import Runtime
 

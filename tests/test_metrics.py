@@ -16,8 +16,16 @@ from distributed.utils import key_split
 from support import poll
 
 import dask_overlap
-from dask_overlap import metrics
-from dask_overlap.metrics import TaskMeter, busy_unit, snapshot, worker_metrics
+from dask_overlap.metrics import TaskMeter, busy_unit, nvtx, prometheus, stages, timeline
+from dask_overlap.metrics.summary import worker_metrics
+from dask_overlap.metrics.worker import (
+    METRICS_NAME,
+    TIMELINE_HANDLER,
+    detail,
+    heartbeat,
+    install_worker_metrics,
+    uninstall_worker_metrics,
+)
 
 STAGE_LABELS = (
     "overlap-staging",
@@ -40,9 +48,9 @@ def double(b: np.ndarray) -> np.ndarray:
 # -- the meter, without a cluster -----------------------------------------------------
 def test_task_meter_totals_and_units() -> None:
     m = TaskMeter(("x", 0), "host")
-    m.waited("h2d", 0.25, blocked=False)
-    m.waited(metrics_stage("D2H"), 0.5, blocked=False)
-    m.waited("h2d", 1.0, blocked=True)  # a full window: backpressure, not a stage
+    m.waited("h2d", 0.25, for_room=False)
+    m.waited(metrics_stage("D2H"), 0.5, for_room=False)
+    m.waited("h2d", 1.0, for_room=True)  # a full window: backpressure, not a stage
     m.spans([("stage", 0.0, 1.0, 10), ("h2d", 1.0, 3.0, 10), ("compute", 3.0, 4.0, 10)])
     m.spans([("d2h", 4.0, 4.5, 8)])
     m.fallback(2)
@@ -86,22 +94,24 @@ def test_nvtx_ranges_are_named_after_the_key_and_sub_chunk(monkeypatch) -> None:
     pushed: list[tuple[str, int]] = []
     popped: list[None] = []
     fake = (lambda msg, color: pushed.append((msg, color)), lambda: popped.append(None))
-    monkeypatch.setattr(metrics, "_nvtx", lambda: fake)
-    monkeypatch.setattr(metrics, "_profiled", lambda: False)
-    with metrics.nvtx_range("cuda", ("x", 1)):  # no profiler attached: nothing
+    monkeypatch.setattr(nvtx, "_nvtx", lambda: fake)
+    monkeypatch.setattr(nvtx, "_profiled", lambda: False)
+    with nvtx.nvtx_range("cuda", ("x", 1)):  # no profiler attached: nothing
         pass
-    monkeypatch.setattr(metrics, "_profiled", lambda: True)
-    with metrics.nvtx_range("host", ("x", 1)):  # not the cuda backend: nothing
+    monkeypatch.setattr(nvtx, "_profiled", lambda: True)
+    with nvtx.nvtx_range("host", ("x", 1)):  # not the cuda backend: nothing
         pass
     assert pushed == []
-    with metrics.nvtx_range("cuda", ("x", 1)):
-        with metrics.nvtx_range("cuda", ("x", 1), 3, "h2d"):
+    with nvtx.nvtx_range("cuda", ("x", 1)):
+        with nvtx.nvtx_range("cuda", ("x", 1), 3, "h2d"):
             pass
     assert [p[0] for p in pushed] == ["('x', 1)", "('x', 1) #3 h2d"]
     assert len(popped) == 2
+    # In the colours the dashboard draws the stages with.
+    assert pushed[1][1] == 0xFF000000 | int(stages.COLORS["h2d"][1:], 16)
 
 
-def test_worker_metrics_and_snapshot_of_a_threaded_run() -> None:
+def test_worker_metrics_heartbeat_and_detail_of_a_threaded_run() -> None:
     x = da.ones((64, 1024), chunks=(32, 1024))
     y = dask_overlap.map_blocks(double, x, split_axis=0, sub_chunk_bytes="32KiB")
     with dask.config.set({"overlap.backend": "host"}):
@@ -113,16 +123,26 @@ def test_worker_metrics_and_snapshot_of_a_threaded_run() -> None:
     assert m["h2d_bytes_per_second"] > 0 and m["d2h_bytes_per_second"] > 0
     assert m["overlap_efficiency"] >= 1.0  # busy time over the wall time when busy
     assert m["window_capacity"] == rt.options.in_flight  # nothing running now
-    snap = snapshot(rt, window=60, limit=5, now=now)
-    cols = snap["timeline"]
+    cols = detail(rt, seconds=60, limit=5, now=now)["timeline"]
+    assert set(cols) == set(timeline.COLUMNS)
     assert {len(v) for v in cols.values()} == {5}
-    assert set(cols["stage"]) <= set(metrics.STAGES)
-    assert snapshot(rt, window=60, limit=0, now=now)["timeline"]["start"] == []
+    assert set(cols["stage"]) <= set(stages.STAGES)
+    assert detail(rt, seconds=60, limit=0, now=now)["timeline"]["start"] == []
+    # A heartbeat carries the same newest spans, each key listed once.
+    beat = heartbeat(rt, seconds=60, limit=5, now=now)
+    assert beat["bytes_h2d"] == x.nbytes
+    assert len(beat["recent"]["keys"]) == len(set(cols["key"]))
+    assert timeline.unpack(beat["recent"]) == cols
+    assert heartbeat(rt, seconds=60, limit=0, now=now)["recent"]["start"] == []
 
 
-def test_union_of_intervals() -> None:
-    assert metrics._union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0
-    assert metrics._union([]) == 0.0
+def test_recent_spans_and_busy_wall_time() -> None:
+    from dask_overlap.runtime import Span
+
+    spans = [Span(("x", 0), i, 0, "h2d", float(i), i + 0.5, 1) for i in range(10)]
+    assert [s.sub_chunk for s in timeline.recent(spans, now=9.5, seconds=2.0)] == [7, 8, 9]
+    assert timeline.busy_wall_seconds([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0
+    assert timeline.busy_wall_seconds([]) == 0.0
 
 
 class FakeWorker:
@@ -134,21 +154,25 @@ class FakeWorker:
 
 
 def test_install_and_prometheus_collector() -> None:
+    from distributed.http.prometheus import PrometheusCollector
     from prometheus_client import REGISTRY, generate_latest
 
     rt = dask_overlap.get_runtime("host")
     rt.counters.add(bytes_h2d=123)
     w = FakeWorker()
-    metrics.install_worker_metrics(w, rt)  # type: ignore[arg-type]
+    install_worker_metrics(w, rt)  # type: ignore[arg-type]
     try:
-        assert w.metrics[metrics.METRICS_NAME](w)["bytes_h2d"] == 123
-        assert w.handlers[metrics.SNAPSHOT_HANDLER](window=1, limit=1)["bytes_h2d"] == 123
+        assert w.metrics[METRICS_NAME](w)["bytes_h2d"] == 123
+        assert w.handlers[TIMELINE_HANDLER](seconds=1, limit=1)["bytes_h2d"] == 123
         text = generate_latest(REGISTRY).decode()
         assert 'dask_overlap_bytes_total{direction="h2d",worker="tcp://fake:1"} 123.0' in text
     finally:
-        metrics.uninstall_worker_metrics(w)  # type: ignore[arg-type]
+        uninstall_worker_metrics(w)  # type: ignore[arg-type]
     assert w.metrics == w.handlers == {}
     assert "tcp://fake:1" not in generate_latest(REGISTRY).decode()
+    # One collector per process, of distributed's kind, however many workers installed.
+    ours = [c for c in REGISTRY._collector_to_names if isinstance(c, prometheus.OverlapCollector)]
+    assert len(ours) == 1 and isinstance(ours[0], PrometheusCollector)
 
 
 # -- on a real cluster ----------------------------------------------------------------
@@ -249,7 +273,12 @@ def test_worker_prometheus_endpoint(run: dict[str, Any]) -> None:
         series = f'dask_overlap_bytes_total{{direction="h2d",worker="{address}"}}'
         line = next(ln for ln in text.splitlines() if ln.startswith(series))
         total += float(line.split()[-1])
-        for name in ("in_flight", "pinned_bytes_in_use", "overlap_efficiency", "busy_seconds"):
+        for name in (
+            "in_flight",
+            "pinned_bytes_in_use",
+            "overlap_efficiency",
+            "busy_seconds_total",
+        ):
             assert f"dask_overlap_{name}" in text, name
     assert total == run["nbytes"]
 
@@ -273,4 +302,31 @@ def test_cuda_partitions_digest_gpu_seconds_and_have_nvtx() -> None:
     for label in ("overlap-h2d", "overlap-compute", "overlap-d2h"):
         assert got[label, "gpu-seconds"] > 0, label
     assert got["overlap-h2d", "bytes"] == got["overlap-d2h", "bytes"] == x.nbytes
-    assert metrics._nvtx() is not None  # CuPy's NVTX, at least
+    assert nvtx._nvtx() is not None  # CuPy's NVTX, at least
+
+
+def test_prometheus_series_follow_the_configured_namespace() -> None:
+    """Our series are named as distributed names its own: ``<namespace>_<subsystem>_*``,
+    with ``distributed.dashboard.prometheus.namespace`` (the workers read it at start)."""
+    with (
+        dask.config.set({"distributed.dashboard.prometheus.namespace": "ovtest"}),
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=2,
+            processes=True,
+            dashboard_address=None,
+            worker_dashboard_address="127.0.0.1:0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        dask_overlap.register(client, dashboard=False, **PLUGIN)
+        x = da.random.random((1000, 64), chunks=(250, 64)).persist()
+        wait(dask_overlap.map_blocks(double, x, split_axis=0, sub_chunk_bytes="16KiB").persist())
+        ((address, port),) = client.run(lambda dask_worker: dask_worker.http_server.port).items()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    series = f'ovtest_overlap_bytes_total{{direction="h2d",worker="{address}"}}'
+    line = next(ln for ln in text.splitlines() if ln.startswith(series))
+    assert float(line.split()[-1]) == x.nbytes
+    assert "ovtest_worker_threads" in text  # distributed's own, in the same namespace
+    assert "dask_overlap_" not in text
