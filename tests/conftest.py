@@ -1,16 +1,39 @@
-"""Shared fixtures: every test gets a runtime built from its own ``dask.config``."""
+"""Shared fixtures: every test gets a runtime built from its own ``dask.config``; tests
+marked ``gpu`` are skipped where no CUDA GPU is visible (``pytest -m gpu`` on the device)."""
 
 from __future__ import annotations
 
-import gc
-import time
+import functools
+import importlib.util
 from collections.abc import Iterator
-from typing import Any
 
 import dask
 import pytest
 
+# Helpers live in support.py; these two are still imported from here by other modules.
+from support import pinned_in_use_once_collected, wait_until_idle  # noqa: F401
+
 import dask_overlap
+
+
+@functools.cache
+def _why_no_gpu() -> str | None:
+    """Why the ``gpu`` tests cannot run here, or ``None`` when they can."""
+    for module in ("cupy", "rmm"):
+        if importlib.util.find_spec(module) is None:
+            return f"needs {module} (the cuda12 or cuda13 extra)"
+    import cupy
+
+    return None if cupy.cuda.is_available() else "no CUDA GPU is visible"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Collect every ``gpu`` test, and skip it where there is no GPU to run it on."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    reason = _why_no_gpu() if gpu_items else None
+    if reason is not None:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture
@@ -33,36 +56,3 @@ def fresh_runtime() -> Iterator[None]:
     with dask.config.set(scheduler="threads"):
         yield
     dask_overlap.close_runtimes()
-
-
-def wait_until_idle(timeout: float = 10.0) -> dict[str, Any]:
-    """Wait (bounded) until no partition task of this process is running; return the stats.
-
-    Dask raises a task's exception as soon as it arrives, while other partitions of the
-    same graph may still be running; they finish on their own.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = dask_overlap.runtime_stats()
-        if stats["partitions_active"] == 0:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"partitions still active after {timeout} s: {stats}")
-        time.sleep(0.01)
-
-
-def pinned_in_use_once_collected(timeout: float = 10.0) -> int:
-    """Pinned bytes still held once unreachable cycles are gone (bounded wait).
-
-    After a failure, the threaded scheduler's worker threads still hand finished
-    partitions' results to a queue that only a reference cycle keeps (in Dask, not in
-    this package), so the pool's blocks come back at a garbage collection after those
-    threads are done, rather than at once.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        gc.collect()
-        in_use = dask_overlap.runtime_stats()["pinned_bytes_in_use"]
-        if in_use == 0 or time.monotonic() > deadline:
-            return in_use
-        time.sleep(0.02)

@@ -12,7 +12,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from conftest import pinned_in_use_once_collected, wait_until_idle
+from support import Boom, failing_at, pinned_in_use_once_collected, rows_data, wait_until_idle
 
 import dask_overlap
 
@@ -243,21 +243,7 @@ def test_inputs_disagree_along_split_axis():
 
 
 # -- a func that raises -----------------------------------------------------------------
-class Boom(Exception):
-    pass
-
-
 ROWS, COLS, CHUNK = 24, 4, 8  # three partitions of eight one-row sub-chunks
-
-
-def failing_at(row: int):
-    def func(b):
-        # the first column holds each row's index: raise in the sub-chunk holding `row`
-        if b.size and (b[:, 0] == row).any():
-            raise Boom(f"row {row} is cursed")
-        return b * 2
-
-    return func
 
 
 @pytest.mark.timeout(60)
@@ -267,7 +253,7 @@ def failing_at(row: int):
 @pytest.mark.parametrize("split_axis", [0, None])
 @pytest.mark.parametrize("in_flight", [1, 3])
 def test_func_raises(row, split_axis, in_flight):
-    data = np.repeat(np.arange(ROWS, dtype=np.float64)[:, None], COLS, axis=1)
+    data = rows_data(ROWS, COLS)  # failing_at(row) raises in the sub-chunk holding `row`
     x = da.from_array(data, chunks=(CHUNK, COLS))
     y = dask_overlap.map_blocks(
         failing_at(row),

@@ -7,7 +7,6 @@ import importlib.util
 import signal
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from distributed import Client, LocalCluster
+from support import poll
 
 import dask_overlap
 from dask_overlap import Options, OverlapPlugin, runtime_stats
@@ -143,10 +143,11 @@ def test_worker_joins_computes_and_stops_on_signal(sig: signal.Signals, tmp_path
 
             proc.send_signal(sig)
             assert proc.wait(timeout=30) == 0
-            deadline = time.monotonic() + 20
-            while client.scheduler_info()["workers"]:
-                assert time.monotonic() < deadline, "the worker did not leave the scheduler"
-                time.sleep(0.05)
+            poll(
+                lambda: not client.scheduler_info()["workers"],
+                20,
+                what="the worker leaving the scheduler",
+            )
         finally:
             if proc.poll() is None:
                 proc.kill()

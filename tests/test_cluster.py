@@ -14,7 +14,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
-from support import poll
+from support import CLUSTER_KW, plugin, poll
 
 import dask_overlap
 from dask_overlap import LocalGPUCluster, Options, OverlapPlugin, runtime_stats
@@ -28,12 +28,6 @@ from dask_overlap.cluster import (
     visible_gpus,
 )
 from dask_overlap.plugin import resolve_options, worker_runtime
-
-# Tiny arrays, through the ring all the same (direct_bytes=0).
-PLUGIN_OPTIONS = dict(
-    backend="host", pinned_pool_size="64MiB", in_flight=2, streams=2, direct_bytes=0
-)
-CLUSTER_KW: dict[str, Any] = dict(dashboard_address=None, worker_dashboard_address=None)
 
 
 def func(b: np.ndarray) -> np.ndarray:
@@ -50,7 +44,7 @@ def cluster() -> Iterator[LocalCluster]:
 def client(cluster: LocalCluster) -> Iterator[Client]:
     """A client with a fresh plugin on every worker (re-registering rebuilds the runtimes)."""
     with Client(cluster) as client:
-        client.register_plugin(OverlapPlugin(**PLUGIN_OPTIONS))
+        client.register_plugin(plugin(pinned_pool_size="64MiB"))
         yield client
 
 
@@ -161,20 +155,20 @@ def test_threaded_scheduler_uses_the_process_runtime() -> None:
 
 def test_cluster_close_closes_each_workers_runtime() -> None:
     # In-process workers share this one plugin object; each still gets its own runtime.
-    plugin = OverlapPlugin(**PLUGIN_OPTIONS)
+    overlap = plugin(pinned_pool_size="64MiB")
     with (
-        LocalCluster(n_workers=2, processes=False, plugins={plugin}, **CLUSTER_KW) as cluster,
+        LocalCluster(n_workers=2, processes=False, plugins={overlap}, **CLUSTER_KW) as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
         x = da.ones((1000, 64), chunks=(250, 64))
         y = dask_overlap.map_blocks(func, x)
         np.testing.assert_array_equal(client.compute(y, sync=True), func(np.ones((1000, 64))))
         workers = list(cluster.workers.values())
-        runtimes = [plugin.runtime(w) for w in workers]
+        runtimes = [overlap.runtime(w) for w in workers]
         assert len({id(rt) for rt in runtimes}) == 2 and not any(rt.closed for rt in runtimes)
         assert sum(rt.counters.partitions for rt in runtimes) == 4
     assert all(rt.closed for rt in runtimes)
-    assert [plugin.runtime(w) for w in workers] == [None, None]
+    assert [overlap.runtime(w) for w in workers] == [None, None]
 
 
 # --- LocalGPUCluster ----------------------------------------------------------------
@@ -324,11 +318,6 @@ def test_plugin_validates_on_the_client() -> None:
 
 
 # --- on a GPU (pytest -m gpu; skipped where none is visible) -------------------------
-
-needs_gpu = pytest.mark.skipif(
-    importlib.util.find_spec("cupy") is None or not visible_gpus(),
-    reason="needs CuPy and a visible CUDA GPU",
-)
 GPU_OPTIONS: dict[str, Any] = dict(pinned_pool_size="256MiB", device_pool_size="2GiB")
 
 
@@ -337,7 +326,6 @@ def affine(b: Any) -> Any:
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_local_gpu_cluster_one_worker_per_gpu() -> None:
     gpus = visible_gpus()
     with (
@@ -371,7 +359,6 @@ def test_local_gpu_cluster_one_worker_per_gpu() -> None:
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_two_workers_on_one_gpu() -> None:
     gpu = visible_gpus()[0]
     with (
