@@ -6,13 +6,17 @@ balanced kernel. Each line prints GB/s and the process's CPU time per partition:
 - one thread, a window of 4 partitions in flight on 4 streams (the deep pipeline);
 - N threads, each synchronous per partition on its own stream (what a Dask task that
   must return a finished result does), with a blocking-sync or a spinning event;
+- plain Dask on N threads with a no-op func (Dask's own cost per task: a floor no
+  per-task library can go under) and with the same work written by hand in the task;
 - dask_overlap.map_blocks on N threads.
 
-Run on the device: ``python3 benchmarks/threads_floor.py``.
+Run on the device: ``python3 benchmarks/threads_floor.py [--cases dask4,hand4,ours4]``
+(``PART`` sets the partition bytes, 16 MiB by default).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import threading
@@ -91,18 +95,85 @@ def show(label: str, fn) -> None:
         if s < best:
             best, cpu = s, time.process_time() - c0
     gbps, us = TOTAL / best / 1e9, cpu / n * 1e6
-    print(f"{label:<52} {gbps:6.2f} GB/s  cpu {us:6.0f} us/part", flush=True)
+    wall = best / n * 1e6
+    print(f"{label:<56} {gbps:6.2f} GB/s  wall {wall:5.0f}  cpu {us:5.0f} us/part", flush=True)
 
 
-show("bare: 1 thread, 4 in flight on 4 streams", deep)
-for t in (1, 4, 8):
-    show(f"bare: {t} threads, synchronous each, blocking event", lambda t=t: threaded(t, True))
-show("bare: 4 threads, synchronous each, spinning event", lambda: threaded(4, False))
-dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": "6GiB"})
-x = array_of_views(host.reshape(-1, 1024), P // 4096)
-for t in (1, 4, 8):
+_streams = threading.local()
+
+
+def by_hand(block: np.ndarray) -> np.ndarray:
+    """What a user writes in a plain Dask task: the block in, the kernel, the result out
+    into pinned memory, on a stream of this thread's own, finished before returning."""
+    st = getattr(_streams, "stream", None)
+    if st is None:
+        st = _streams.stream = cp.cuda.Stream(non_blocking=True)
+    with st:
+        d = cp.empty(block.shape, block.dtype)
+        cp.cuda.runtime.memcpyAsync(d.data.ptr, block.ctypes.data, block.nbytes, 1, st.ptr)
+        r = f(d)
+        out = cupyx.empty_pinned(block.shape, block.dtype)
+        cp.cuda.runtime.memcpyAsync(out.ctypes.data, r.data.ptr, block.nbytes, 2, st.ptr)
+        st.synchronize()
+    return out
+
+
+def without_marks(fn):
+    """``fn()`` with the runner's device timing marks off: what they cost."""
+    from dask_overlap.backends import cuda
+    from dask_overlap.partition import _PartitionRun
+
+    mark, resolve = cuda.CudaBackend.mark, _PartitionRun._resolve_marks
+    cuda.CudaBackend.mark = lambda self, stream: None
+    _PartitionRun._resolve_marks = lambda self, sub: None
+    try:
+        return fn()
+    finally:
+        cuda.CudaBackend.mark, _PartitionRun._resolve_marks = mark, resolve
+
+
+def cases() -> dict:
+    dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": "6GiB"})
+    x = array_of_views(host.reshape(-1, 1024), P // 4096)
+    got: dict = {"deep": ("bare: 1 thread, 4 in flight on 4 streams", deep)}
+    for t in (1, 4, 8):
+        got[f"bare{t}"] = (
+            f"bare: {t} threads, synchronous each, blocking event",
+            lambda t=t: threaded(t, True),
+        )
+    got["spin4"] = ("bare: 4 threads, synchronous each, spinning event", lambda: threaded(4, False))
+    for t in (4, 8):
+        # Dask's own cost per task: a func that does nothing, on the same chunks.
+        noop = x.map_blocks(lambda b: b, dtype=np.float32)
+        got[f"dask{t}"] = (
+            f"plain dask, no-op func, {t} threads",
+            lambda t=t, y=noop: dask.persist(y, num_workers=t),
+        )
+        hand = x.map_blocks(by_hand, dtype=np.float32)
+        got[f"hand{t}"] = (
+            f"plain dask + CuPy by hand per task, {t} threads",
+            lambda t=t, y=hand: dask.persist(y, num_workers=t),
+        )
+    for t in (1, 4, 8):
+        y = dask_overlap.map_blocks(f, x, dtype=np.float32, out="pinned")
+        got[f"ours{t}"] = (
+            f"dask_overlap out=pinned, {t} threads",
+            lambda t=t, y=y: dask.persist(y, num_workers=t),
+        )
     y = dask_overlap.map_blocks(f, x, dtype=np.float32, out="pinned")
-    show(f"dask_overlap out=pinned, {t} threads", lambda t=t, y=y: dask.persist(y, num_workers=t))
-for t in (4,):
+    got["nomarks4"] = (
+        "dask_overlap out=pinned, 4 threads, no stage marks",
+        lambda y=y: without_marks(lambda: dask.persist(y, num_workers=4)),
+    )
     y = dask_overlap.map_blocks(f, x, dtype=np.float32)
-    show(f"dask_overlap out=host, {t} threads", lambda t=t, y=y: dask.persist(y, num_workers=t))
+    got["host4"] = ("dask_overlap out=host, 4 threads", lambda y=y: dask.persist(y, num_workers=4))
+    return got
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="", help="a comma list of case names (default: all)")
+    args = p.parse_args()
+    table = cases()
+    for name in [c for c in args.cases.split(",") if c] or list(table):
+        show(*table[name])

@@ -3,7 +3,7 @@
 # timeline, the cluster benchmark, the demo and a dashboard snapshot. Logs and JSON go to
 # $OUT (default ./bench-out), in few files (the device returns at most 8).
 #
-#   bash ci/gpu.sh [all|default|small|tests|bench|timeline|cluster|demo|dashboard|trap]...
+#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|demo|dashboard|trap]...
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -126,6 +126,26 @@ run_small() {
     done
 }
 
+run_floor() {
+    # Issue 12: what one Dask task per partition can reach (bare CuPy, plain Dask with a no-op
+    # func, the same work by hand in a task) beside dask_overlap, per partition size; then,
+    # where py-spy is installed, which functions hold the GIL while dask_overlap runs.
+    local part
+    for part in ${FLOOR_PARTS:-16777216 4194304}; do
+        log "floors, partition $part bytes: ${FLOOR_CASES:-all}"
+        PART=$part timeout "${FLOOR_LIMIT:-150}" python3 benchmarks/threads_floor.py \
+            --cases "${FLOOR_CASES:-}" 2>&1 | grep -v "Warning\|warn" || status=1
+    done
+    if command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; then
+        local spy
+        spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+        log "py-spy --gil on ${GIL_CASE:-ours4}, partition ${GIL_PART:-4194304}"
+        PART=${GIL_PART:-4194304} timeout 120 "$spy" record --gil --rate 2000 --format raw \
+            --output "$OUT/gil-${GIL_CASE:-ours4}.txt" -- python3 benchmarks/threads_floor.py \
+            --cases "${GIL_CASE:-ours4}" 2>&1 | grep -v "Warning\|warn" | tail -n 5 || status=1
+    fi
+}
+
 run_demo() {
     log "demo"
     timeout 60 python3 -m dask_overlap demo 2>&1 | grep -v "^ \|Warning\|warn" | tail -n 8 || status=1
@@ -152,7 +172,8 @@ for step in "${steps[@]}"; do
         dashboard) run_dashboard ;;
         trap) run_trap ;;
         small) run_small ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|demo|dashboard|trap|small]..."; exit 2 ;;
+        floor) run_floor ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|demo|dashboard|trap|small|floor]..."; exit 2 ;;
     esac
 done
 log "done, status $status"

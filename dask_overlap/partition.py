@@ -23,6 +23,7 @@ completed, so no asynchronous copy can outlive its buffer.
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -563,10 +564,11 @@ class _PartitionRun:
                 spec.func_name, spec.split_axis, spec.out_split_axis, result, plan_sub, self.where
             )
         dest = self._output_for(i, result, stream)
-        if spec.out == "device":
-            if dest is not None:  # one sub-chunk's slice of the partition's output
-                self.backend.wait(stream, self.out_ready)
-                self.backend.place(stream, result, dest)
+        if dest is None:  # the result is the partition's output: nothing to copy
+            return
+        if spec.out == "device":  # one sub-chunk's slice of the partition's output
+            self.backend.wait(stream, self.out_ready)
+            self.backend.place(stream, result, dest)
             return
         target = dest
         if not sub.direct and dest.nbytes and not self.pool.owns(dest):
@@ -595,7 +597,9 @@ class _PartitionRun:
     def _output_for(self, i: int, result: Any, stream: Any) -> Any:
         """Where sub-chunk ``i``'s result goes in the partition's output, made on first use.
 
-        With ``out="device"`` and one sub-chunk the result is the output itself: ``None``.
+        ``None`` when the result of the only sub-chunk is the output itself: with
+        ``out="device"``, and with ``out="host"`` on a backend whose device memory is host
+        memory when nothing goes through the ring (a copy would only move it).
         """
         spec = self.spec
         with self._out_lock:
@@ -614,7 +618,10 @@ class _PartitionRun:
             check_declared(
                 spec.func_name, shape, result.dtype, spec.out_shape, spec.out_dtype, self.where
             )
-            if spec.out == "device" and not self.split:
+            if not self.split and (
+                spec.out == "device"
+                or (spec.out == "host" and self.subs[i].direct and self.backend.host_memory)
+            ):
                 self.out = result
                 return None
             self.out = self._allocate_output(shape, result.dtype, stream)
@@ -627,7 +634,7 @@ class _PartitionRun:
             self.out_ready = self.backend.mark(stream)
             return out
         if self.spec.out == "pinned":
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
             block = self.pool.allocate(nbytes) if nbytes else None
             if block is not None:
                 return block.view(dtype).reshape(shape)

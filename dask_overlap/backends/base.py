@@ -60,6 +60,9 @@ class Backend(Protocol):
 
     name: str
     pinned: HostPool
+    #: Whether device memory is ordinary host memory (a result there is already an
+    #: ordinary NumPy array).
+    host_memory: bool
 
     def make_stream(self) -> Stream: ...
 

@@ -97,6 +97,7 @@ class HostBackend:
     """NumPy everywhere; see the module docstring."""
 
     name = "host"
+    host_memory = True
 
     def __init__(self, pinned_pool_size: int):
         self.pinned = HostPool(pinned_pool_size)

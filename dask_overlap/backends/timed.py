@@ -64,6 +64,7 @@ class TimedBackend(HostBackend):
     """See the module docstring."""
 
     name = "timed"
+    host_memory = False  # it models a device, whose results must be copied out
 
     def __init__(self, pinned_pool_size: int, model: TimedModel):
         super().__init__(pinned_pool_size)
