@@ -105,10 +105,10 @@ class _PartitionTask:
         in_flight: int,
         func_block_id: bool,
         func_block_info: bool,
-        out: str = "host",
+        out_mode: str = "host",
     ):
         self.func = func
-        self.out = out
+        self.out_mode = out_mode  # one of OUT_MODES: where each output block is left
         self.backend = backend
         self.array_positions = array_positions
         self.ndim = ndim
@@ -118,10 +118,18 @@ class _PartitionTask:
         self.in_flight = in_flight
         self.func_block_id = func_block_id
         self.func_block_info = func_block_info
-        self.name = funcname(func)
-        # What the output array declares, set once Dask has built it (see map_blocks).
+        # What the output array declares, set by declare_output once Dask has built it. The
+        # key name is the output's name (each partition's key starts with it); func's own
+        # name stands in until then.
+        self.key_name = funcname(func)
         self.out_chunks: tuple[tuple | None, ...] | None = None  # per axis: see _axis_extents
         self.out_dtype: np.dtype | None = None
+
+    def declare_output(self, result: da.Array) -> None:
+        """Take the name, chunks and dtype of the array Dask built around this task."""
+        self.key_name = result.name
+        self.out_chunks = tuple(_axis_extents(c) for c in result.chunks)
+        self.out_dtype = result.dtype
 
     def __dask_tokenize__(self) -> Any:
         return (
@@ -133,7 +141,7 @@ class _PartitionTask:
             self.out_split_axis,
             self.sub_chunk_bytes,
             self.in_flight,
-            self.out,
+            self.out_mode,
         )
 
     def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
@@ -145,7 +153,7 @@ class _PartitionTask:
                 _extent(axis, i) for axis, i in zip(self.out_chunks, block_id, strict=True)
             )
         spec = PartitionSpec(
-            key=(self.name, *(block_id or ())),
+            key=(self.key_name, *(block_id or ())),
             array_positions=self.array_positions,
             ndim=self.ndim,
             split_axis=self.split_axis,
@@ -153,10 +161,10 @@ class _PartitionTask:
             sub_chunk_bytes=self.sub_chunk_bytes,
             in_flight=self.in_flight,
             block_info=block_info,
-            func_name=self.name,
+            func_name=self.key_name,
             out_shape=out_shape,
             out_dtype=self.out_dtype,
-            out=self.out,
+            out=self.out_mode,
         )
         return run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
 
@@ -208,6 +216,141 @@ def _check_numblocks(arrays: Sequence[Any], positions: tuple[int, ...], ndim: in
                 f"of blocks along each axis (or 1, to broadcast); along axis {k} {found} "
                 "blocks: rechunk them alike first (e.g. b.rechunk(a.chunks))"
             )
+
+
+def _check_func(func: Any) -> None:
+    if not callable(func):
+        raise TypeError(
+            f"func must be callable, got {reprlib.repr(func)} of type {type(func).__name__}"
+        )
+
+
+def _check_out_mode(out: Any) -> None:
+    if out not in OUT_MODES:
+        raise ValueError(f"out must be one of {', '.join(map(repr, OUT_MODES))}; got {out!r}")
+
+
+def _array_positions(arrays: Sequence[Any], chunks: Any) -> tuple[int, ...]:
+    """Where the dask arrays are among ``arrays``; the rest are passed through as they are."""
+    positions = tuple(i for i, a in enumerate(arrays) if isinstance(a, da.Array))
+    if not positions and chunks is None:
+        raise ValueError(
+            "map_blocks needs at least one dask array in arrays, or chunks= to build the "
+            f"output from; got {len(arrays)} positional argument(s) and no dask array"
+        )
+    return positions
+
+
+def _check_inputs(
+    arrays: Sequence[Any], positions: tuple[int, ...], enforce_ndim: Any, meta: Any
+) -> None:
+    """``enforce_ndim`` is a bool; the arrays' blocks are plain arrays that a copy keeps whole
+    and, like ``meta``, of a dtype a device array can hold."""
+    if not isinstance(enforce_ndim, bool):
+        raise TypeError(f"enforce_ndim must be True or False, got {enforce_ndim!r}")
+    refuse_subclasses(arrays, positions)
+    for i in positions:
+        _check_dtype(f"arrays[{i}]", arrays[i].dtype)
+    if meta is not None and hasattr(meta, "dtype"):
+        _check_dtype("meta", meta.dtype)
+
+
+def _check_split_axis(split_axis: Any, ndim: int, drop_axis: int | Sequence[int] | None) -> int:
+    """``split_axis`` as a non-negative axis of the inputs, which the output keeps."""
+    if isinstance(split_axis, bool) or not isinstance(split_axis, Integral):
+        raise TypeError(f"split_axis must be an integer or None, got {split_axis!r}")
+    if not -ndim <= split_axis < ndim:
+        raise ValueError(
+            f"split_axis must be in [{-ndim}, {ndim}) for inputs of {ndim} dimension(s), "
+            f"got {split_axis}"
+        )
+    split_axis = int(split_axis) % ndim
+    if split_axis in {d % ndim for d in _as_list(drop_axis)}:
+        raise ValueError(
+            f"split_axis={split_axis} is also in drop_axis={drop_axis}: the output must "
+            "keep the split axis"
+        )
+    return split_axis
+
+
+def _inferred_dtype_and_meta(
+    func: Callable[..., Any], arrays: Sequence[Any], kwargs: dict, dtype: Any, backend: str
+) -> tuple[Any, Any]:
+    """What Dask would infer for a ``meta=None`` call, without running a pipeline; ``meta``
+    is ``None`` (or not an array) where ``func`` fails on empty blocks."""
+    # Dask would compute meta by calling the task itself, which would run a pipeline at
+    # graph construction; call the user's function on empty NumPy blocks instead, as
+    # dask.array.map_blocks does with its own function.
+    try:
+        meta = compute_meta(func, dtype, *arrays, **kwargs)
+    except Exception:
+        meta = None
+    if dtype is None:
+        if any(is_dask_collection(a) and not isinstance(a, da.Array) for a in arrays):
+            # Dask infers ``object`` here (func runs on the delayed object itself),
+            # which no device array can hold: ask for the dtype instead.
+            raise TypeError(
+                "dtype must be given when an argument is a dask.delayed object (the "
+                "output dtype cannot be inferred without computing it); got dtype=None"
+            )
+        on_gpu = resolve_backend(backend) == "cuda"
+        dtype = infer_dtype(func, arrays, kwargs, on_gpu)
+    return dtype, meta
+
+
+def _dtype_and_meta(
+    func: Callable[..., Any],
+    arrays: Sequence[Any],
+    kwargs: dict,
+    *,
+    dtype: Any,
+    meta: Any,
+    chunks: Any,
+    kept_ndim: int,
+    backend: str,
+    out_mode: str,
+) -> tuple[Any, Any]:
+    """The ``dtype`` and ``meta`` to give Dask: inferred where not given, checked, and a
+    CuPy ``meta`` where the blocks stay on the GPU. ``kept_ndim``: the output's dimensions
+    after ``drop_axis`` and ``new_axis``, where ``chunks`` does not say."""
+    if meta is None:
+        dtype, meta = _inferred_dtype_and_meta(func, arrays, kwargs, dtype, backend)
+        if not isinstance(meta, np.ndarray):
+            out_ndim = len(chunks) if chunks is not None else kept_ndim
+            meta = np.empty((0,) * out_ndim, dtype=dtype)
+    if dtype is not None:
+        _check_dtype("the output of func (dtype)", dtype)
+    if out_mode == "device" and isinstance(meta, np.ndarray) and resolve_backend(backend) == "cuda":
+        import cupy
+
+        meta = cupy.empty(meta.shape, meta.dtype)  # the chunks are CuPy arrays
+    return dtype, meta
+
+
+def _partition_task(
+    func: Callable[..., Any],
+    opts: Options,
+    positions: tuple[int, ...],
+    ndim: int,
+    split_axis: int | None,
+    out_split_axis: int | None,
+    out_mode: str,
+) -> _PartitionTask:
+    """The task Dask maps over the blocks, asking for ``block_info`` only if ``func`` does."""
+    task_type = _PartitionTaskWithInfo if has_keyword(func, "block_info") else _PartitionTask
+    return task_type(
+        func,
+        backend=opts.backend,
+        array_positions=positions,
+        ndim=ndim,
+        split_axis=split_axis,
+        out_split_axis=out_split_axis,
+        sub_chunk_bytes=opts.sub_chunk_bytes,
+        in_flight=opts.in_flight,
+        func_block_id=has_keyword(func, "block_id"),
+        func_block_info=has_keyword(func, "block_info"),
+        out_mode=out_mode,
+    )
 
 
 def map_blocks(
@@ -284,93 +427,34 @@ def map_blocks(
     >>> y.compute().tolist()
     [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]
     """
-    if not callable(func):
-        raise TypeError(
-            f"func must be callable, got {reprlib.repr(func)} of type {type(func).__name__}"
-        )
-    if out not in OUT_MODES:
-        raise ValueError(f"out must be one of {', '.join(map(repr, OUT_MODES))}; got {out!r}")
+    # Every check comes before any work (inferring the dtype calls func), in this order.
+    _check_func(func)
+    _check_out_mode(out)
     opts = Options.from_config(sub_chunk_bytes=sub_chunk_bytes, in_flight=in_flight)
     _guard_gpu_kernels()
-
-    positions = tuple(i for i, a in enumerate(arrays) if isinstance(a, da.Array))
-    if not positions and chunks is None:
-        raise ValueError(
-            "map_blocks needs at least one dask array in arrays, or chunks= to build the "
-            f"output from; got {len(arrays)} positional argument(s) and no dask array"
-        )
-    if not isinstance(enforce_ndim, bool):
-        raise TypeError(f"enforce_ndim must be True or False, got {enforce_ndim!r}")
-    refuse_subclasses(arrays, positions)
-    for i in positions:
-        _check_dtype(f"arrays[{i}]", arrays[i].dtype)
-    if meta is not None and hasattr(meta, "dtype"):
-        _check_dtype("meta", meta.dtype)
-
+    positions = _array_positions(arrays, chunks)
+    _check_inputs(arrays, positions, enforce_ndim, meta)
     ndim = max((arrays[i].ndim for i in positions), default=0)
     _check_numblocks(arrays, positions, ndim)
-    drop = _as_list(drop_axis)
-    new = _as_list(new_axis)
+    drop, new = _as_list(drop_axis), _as_list(new_axis)
     out_split_axis = None
     if split_axis is not None:
-        if isinstance(split_axis, bool) or not isinstance(split_axis, Integral):
-            raise TypeError(f"split_axis must be an integer or None, got {split_axis!r}")
-        if not -ndim <= split_axis < ndim:
-            raise ValueError(
-                f"split_axis must be in [{-ndim}, {ndim}) for inputs of {ndim} dimension(s), "
-                f"got {split_axis}"
-            )
-        split_axis = int(split_axis) % ndim
-        if split_axis in {d % ndim for d in drop}:
-            raise ValueError(
-                f"split_axis={split_axis} is also in drop_axis={drop_axis}: the output must "
-                "keep the split axis"
-            )
+        split_axis = _check_split_axis(split_axis, ndim, drop_axis)
         out_split_axis = _out_axis(ndim, split_axis, drop, new, chunks)
 
-    if meta is None:
-        # Dask would compute meta by calling the task itself, which would run a pipeline
-        # at graph construction; call the user's function on empty NumPy blocks instead,
-        # as dask.array.map_blocks does with its own function.
-        try:
-            meta = compute_meta(func, dtype, *arrays, **kwargs)
-        except Exception:
-            meta = None
-        if dtype is None:
-            if any(is_dask_collection(a) and not isinstance(a, da.Array) for a in arrays):
-                # Dask infers ``object`` here (func runs on the delayed object itself),
-                # which no device array can hold: ask for the dtype instead.
-                raise TypeError(
-                    "dtype must be given when an argument is a dask.delayed object (the "
-                    "output dtype cannot be inferred without computing it); got dtype=None"
-                )
-            on_gpu = resolve_backend(opts.backend) == "cuda"
-            dtype = infer_dtype(func, arrays, kwargs, on_gpu)
-        if not isinstance(meta, np.ndarray):
-            out_ndim = len(chunks) if chunks is not None else ndim - len(drop) + len(new)
-            meta = np.empty((0,) * out_ndim, dtype=dtype)
-    if dtype is not None:
-        _check_dtype("the output of func (dtype)", dtype)
-    if out == "device" and isinstance(meta, np.ndarray) and resolve_backend(opts.backend) == "cuda":
-        import cupy
-
-        meta = cupy.empty(meta.shape, meta.dtype)  # the chunks are CuPy arrays
-
-    task_type = _PartitionTaskWithInfo if has_keyword(func, "block_info") else _PartitionTask
-    task = task_type(
+    dtype, meta = _dtype_and_meta(
         func,
+        arrays,
+        kwargs,
+        dtype=dtype,
+        meta=meta,
+        chunks=chunks,
+        kept_ndim=ndim - len(drop) + len(new),
         backend=opts.backend,
-        array_positions=positions,
-        ndim=ndim,
-        split_axis=split_axis,
-        out_split_axis=out_split_axis,
-        sub_chunk_bytes=opts.sub_chunk_bytes,
-        in_flight=opts.in_flight,
-        func_block_id=has_keyword(func, "block_id"),
-        func_block_info=has_keyword(func, "block_info"),
-        out=out,
+        out_mode=out,
     )
-    out = da.map_blocks(
+    task = _partition_task(func, opts, positions, ndim, split_axis, out_split_axis, out)
+    result = da.map_blocks(
         task,
         *arrays,
         dtype=dtype,
@@ -382,7 +466,5 @@ def map_blocks(
         token=token or funcname(func),
         **kwargs,
     )
-    task.name = out.name
-    task.out_chunks = tuple(_axis_extents(c) for c in out.chunks)
-    task.out_dtype = out.dtype
-    return out
+    task.declare_output(result)
+    return result
