@@ -23,7 +23,7 @@ import dask
 import numpy as np
 
 import dask_overlap
-from dask_overlap import partition
+from dask_overlap import output, partition
 from dask_overlap.backends import cuda
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -63,7 +63,9 @@ def main() -> None:
         (cuda.CudaBackend, ("copy_in", "compute", "copy_out", "mark", "resolve", "is_pinned")),
         (cuda.CudaStream, ("run",)),
         (cuda.PinnedPool, ("allocate", "reserve")),
-        (partition._PartitionRun, ("__init__", "_run_lean", "_copy_now", "_output_for")),
+        (partition._PartitionRun, ("__init__", "_copy_now")),
+        (partition._LeanRun, ("run",)),
+        (output.PartitionOutput, ("slot",)),
     ):
         for name in names:
             setattr(cls, name, timed(f"{cls.__name__}.{name}", getattr(cls, name)))

@@ -14,16 +14,15 @@ default (``out="host"``). ``out="pinned"`` keeps the result in the pool instead 
 counted); ``out="device"`` keeps it on the device.
 
 Ownership: every buffer of a sub-chunk (ring blocks, device inputs, the device result)
-is held by its :class:`_Sub` until the copy that reads it has *completed*: inputs and
-device buffers until the D2H's completion, the ring's copy of the result until it is
-unstaged. After a failure nothing is dropped before every stream this partition used has
-completed, so no asynchronous copy can outlive its buffer.
+is held by its :class:`~dask_overlap.subchunks.SubChunk` until the copy that reads it has
+*completed*: inputs and device buffers until the D2H's completion, the ring's copy of
+the result until it is unstaged. After a failure nothing is dropped before every stream
+this partition used has completed, so no asynchronous copy can outlive its buffer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import queue
 import threading
 import time
@@ -36,8 +35,10 @@ from .engine import Action, Done, Failed, Pipeline, Stage
 from .infer import refuse_block
 from .layout import Layout, auto_sub_chunk_bytes, layout
 from .metrics import TaskMeter, nvtx_range
-from .results import check_declared, check_like_first, check_split_extent, not_an_array
+from .output import PartitionOutput
+from .results import check_split_extent, not_an_array
 from .runtime import Runtime
+from .subchunks import Admission, SubChunk
 
 __all__ = ["OUT_MODES", "PartitionSpec", "run_partition"]
 
@@ -77,94 +78,77 @@ def run_partition(
     runtime: Runtime, func: Callable[..., Any], args: tuple, kwargs: dict, spec: PartitionSpec
 ) -> Any:
     """Run ``func`` over one partition through the pipeline; return the output block."""
-    return _PartitionRun(runtime, func, args, kwargs, spec).run()
+    where = f"partition {spec.key!r}"
+    blocks = list(args)
+    lay = _lay_out(runtime, blocks, spec, where)
+    driver = _EngineRun if len(lay.plan) > 1 else _LeanRun
+    return driver(runtime, func, blocks, kwargs, spec, lay, where).run()
 
 
-class _Sub:
-    """One sub-chunk's buffers and timings; see the module docstring for who holds what."""
-
-    __slots__ = (
-        "d2h_bytes",
-        "dest",
-        "direct",
-        "fallbacks",
-        "device",
-        "h2d_bytes",
-        "inputs",
-        "marks",
-        "need",
-        "on_device",
-        "res",
-        "ring_out",
-        "spans",
-        "stage_now",
-        "stream",
-        "to_stage",
+def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec, where: str) -> Layout:
+    """The partition's blocks as plain arrays (in ``args``, in place), and its layout."""
+    is_device = rt.backend.is_device
+    for p in spec.array_positions:
+        a = args[p]
+        if type(a) is not np.ndarray and not is_device(a):
+            refuse_block(a, where)  # a subclass whose meaning the copies would lose
+            args[p] = np.asarray(a)
+    sub_chunk_bytes = spec.sub_chunk_bytes
+    if spec.split_axis is None:
+        sub_chunk_bytes = 0  # not cut: the size does not matter
+    elif sub_chunk_bytes == "auto":
+        size = sum(getattr(args[p], "nbytes", 0) for p in spec.array_positions)
+        # This partition and those already running share the device.
+        sub_chunk_bytes = auto_sub_chunk_bytes(size, rt.counters.partitions_active + 1)
+    return layout(
+        args,
+        spec.array_positions,
+        spec.ndim,
+        spec.split_axis,
+        spec.out_split_axis,
+        int(sub_chunk_bytes),
+        where,
     )
-
-    def __init__(self, inputs: list[Any], to_stage: list[bool], h2d_bytes: int):
-        self.inputs = inputs
-        self.to_stage = to_stage
-        self.h2d_bytes = h2d_bytes
-        self.d2h_bytes = 0
-        self.fallbacks = 0  # buffers that went through pageable memory (no ring room)
-        self.res: Any = None  # the ring reservation
-        self.ring_out: Any = None  # the result's copy in the ring, until unstaged
-        self.dest: Any = None  # where unstaging puts it
-        self.device: Any = None  # device inputs and result, until the D2H completed
-        self.stream: Any = None
-        self.marks: list[Any] = []
-        self.spans: list[tuple[str, float, float, int]] = []
-        self.stage_now = Stage.H2D
-        self.on_device = False  # counted in device_bytes_in_flight
-        self.need: int | None = None  # ring bytes it reserves, worked out once
-        self.direct = False  # small enough to skip the ring (the direct-bytes option)
 
 
 class _PartitionRun:
-    def __init__(self, rt: Runtime, func: Callable, args: tuple, kwargs: dict, spec: PartitionSpec):
+    """One partition's state and its stages, shared by the two drivers below: what the
+    task's thread enqueues, and what it lets go of once the copies that read it completed."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        func: Callable,
+        args: list[Any],
+        kwargs: dict,
+        spec: PartitionSpec,
+        lay: Layout,
+        where: str,
+    ):
         self.rt = rt
         self.backend = rt.backend
         self.pool = rt.backend.pinned
         self.func = func
+        self.args = args
         self.kwargs = kwargs
         self.spec = spec
-        self.where = f"partition {spec.key!r}"
-        self.args = list(args)
-        is_device = self.backend.is_device
-        for p in spec.array_positions:
-            a = self.args[p]
-            if type(a) is not np.ndarray and not is_device(a):
-                refuse_block(a, self.where)  # a subclass whose meaning the copies would lose
-                self.args[p] = np.asarray(a)
-        sub_chunk_bytes = spec.sub_chunk_bytes
-        if spec.split_axis is None:
-            sub_chunk_bytes = 0  # not cut: the size does not matter
-        elif sub_chunk_bytes == "auto":
-            size = sum(getattr(self.args[p], "nbytes", 0) for p in spec.array_positions)
-            # This partition and those already running share the device.
-            sub_chunk_bytes = auto_sub_chunk_bytes(size, rt.counters.partitions_active + 1)
-        self.lay: Layout = layout(
-            self.args,
-            spec.array_positions,
-            spec.ndim,
-            spec.split_axis,
-            spec.out_split_axis,
-            int(sub_chunk_bytes),
-            self.where,
+        self.lay = lay
+        self.where = where
+        self.split = len(lay.plan) > 1
+        self.admission = Admission(
+            self.backend,
+            rt.options.direct_bytes,
+            lay,
+            args,
+            spec.out,
+            spec.out_shape,
+            spec.out_dtype,
         )
-        self.split = len(self.lay.plan) > 1
+        self.subs = [self.admission.sub_chunk(i) for i in range(len(lay.plan))]
+        self.output = PartitionOutput(self.backend, lay, spec, self.split, where)
         self.events: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
-        self._pinned: list[bool] | None = None  # see _pinned_inputs
-        self.subs = [self._new_sub(i) for i in range(len(self.lay.plan))]
-        self.need = 0  # ring bytes the next sub-chunk waits for, while the engine stalls
-        self.out: Any = None
-        self.out_ready: Any = None  # out="device": a mark made after allocating self.out
-        self._out_lock = threading.Lock()
         self.used_streams: dict[int, Any] = {}
         self.failed: set[int] = set()
-        self.fallbacks = 0  # of the partition's own output (out="pinned"), under _out_lock
-        self.ring_full = 0
         # Tallies of this partition, flushed into the runtime's counters once, at its end
         # (one locked update, not one per stage); kept by the driver thread only.
         self.tally = dict.fromkeys(("bytes_staged", "bytes_h2d", "bytes_d2h", "bytes_unstaged"), 0)
@@ -173,95 +157,210 @@ class _PartitionRun:
         # in the runtime's window_capacity.
         self.window = min(spec.in_flight, len(self.subs))
 
-    def _new_sub(self, i: int) -> _Sub:
-        inputs = self.lay.inputs(self.args, i)
-        on_device = [self.backend.is_device(x) for x in inputs]
-        h2d = sum(x.nbytes for x, dev in zip(inputs, on_device, strict=True) if not dev)
-        if self._direct(i, h2d):
-            sub = _Sub(inputs, [False] * len(inputs), h2d)
-            sub.need, sub.direct = 0, True
-            return sub
-        to_stage = [
-            # Pinned and contiguous input is copied from directly.
-            not dev and x.nbytes > 0 and not (pinned and x.flags.c_contiguous)
-            for x, dev, pinned in zip(inputs, on_device, self._pinned_inputs(), strict=True)
-        ]
-        return _Sub(inputs, to_stage, h2d)
-
-    def _direct(self, i: int, h2d: int) -> bool:
-        """Whether sub-chunk ``i``, with ``h2d`` bytes in, is small enough to skip the ring
-        (the ``direct-bytes`` option: so small a copy costs less than staging it would); an
-        output of unknown size counts as large."""
-        limit = self.rt.options.direct_bytes
-        if h2d > limit:
-            return False
-        if self.spec.out == "device":
-            return True  # nothing comes back
-        out = self.lay.expected_out_bytes(i, self.spec.out_shape, self.spec.out_dtype)
-        return out is not None and h2d + out <= limit
-
-    def _pinned_inputs(self) -> list[bool]:
-        """Per array argument, whether it is pinned host memory (slices of it are too, so
-        the question, a driver call on CUDA, is asked once per argument, and only when a
-        sub-chunk goes through the ring)."""
-        if self._pinned is None:
-            self._pinned = self._ask_pinned()
-        return self._pinned
-
-    def _ask_pinned(self) -> list[bool]:
-        is_device, is_pinned = self.backend.is_device, self.backend.is_pinned
-        return [
-            not is_device(a) and a.nbytes > 0 and is_pinned(a)
-            for a in (self.args[p] for p in self.lay.axes)
-        ]
-
-    # -- the ring ---------------------------------------------------------------------
-    def _ring_need(self, i: int) -> int:
-        """Ring bytes sub-chunk ``i`` reserves: its staged inputs and its copied-out result
-        (asked again after every refused admission, so worked out once)."""
-        sub, charge = self.subs[i], self.pool.charge
-        if sub.need is not None:
-            return sub.need
-        need = 0
-        for x, staged in zip(sub.inputs, sub.to_stage, strict=True):
-            if staged:
-                need += charge(x.nbytes)
-        if self.spec.out == "host":  # ("pinned" results go to a block of their own)
-            out = self.lay.expected_out_bytes(i, self.spec.out_shape, self.spec.out_dtype)
-            # Unknown (an extent Dask does not know): as many bytes as came in.
-            out = sub.h2d_bytes if out is None else out
-            need += charge(out) if out else 0
-        sub.need = need
-        return need
-
     def _admit(self, i: int) -> bool:
-        """The engine's question: may sub-chunk ``i`` start now? Reserves its ring room."""
-        need = self._ring_need(i)
-        if need == 0:
-            return True
-        res = self.pool.reserve(need)
-        if res is None and need <= self.pool.ring_limit:
-            self.need = need  # it will fit once others give room back: wait for it
-            self.ring_full += 1
-            return False
-        # Larger than the ring is sure to have: taken when there is room, else it runs
-        # through pageable memory (counted), rather than wait for what may never come.
-        self.subs[i].res = res
-        return True
+        """The engine's question: may sub-chunk ``i`` start now? (see Admission.admit)"""
+        return self.admission.admit(i, self.subs[i])
 
-    # -- the driver loop --------------------------------------------------------------
+    def _settle(self, failed: bool, max_window: int, **amounts: float) -> None:
+        """This partition's tallies into the runtime's counters, in one locked update (both
+        paths), plus what the path itself adds in ``amounts``; fallbacks to the meter."""
+        fallbacks = self.output.fallbacks + sum(sub.fallbacks for sub in self.subs)
+        self.rt.counters.settle(
+            dict(
+                self.tally,
+                partitions_failed=int(failed),
+                sub_chunks=len(self.subs),
+                pinned_fallbacks=fallbacks,
+                ring_full=self.admission.ring_full,
+                **amounts,
+            ),
+            max_window,
+            self.meter.busy,
+        )
+        self.meter.fallback(fallbacks)
+
+    def _raise(self, error: BaseException) -> None:
+        """Re-raise a partition's failure; an out-of-memory error says where and how much."""
+        oom = self.backend.describe_oom(error)
+        if oom is not None:
+            # The original stays as __cause__ (and in the text, since a cause does not
+            # travel with a pickled exception).
+            raise MemoryError(
+                f"{self.spec.func_name} ran out of memory in {self.where}: {oom} "
+                f"({type(error).__name__}: {error})"
+            ) from error
+        raise error
+
+    # -- the stages -------------------------------------------------------------------
+    def _post(self, event: Done | Failed) -> None:
+        self.events.put(event)
+
+    def _callback(self, i: int, stage: Stage, fn: Callable[..., None]) -> Callable[..., None]:
+        """``fn`` to be called back from another thread for sub-chunk ``i``: should it raise,
+        the sub-chunk fails with that error, rather than leave the driver waiting for an
+        event that would never come."""
+
+        def call(*args: Any) -> None:
+            try:
+                fn(*args)
+            except BaseException as e:
+                self.failed.add(i)
+                self.events.put(Failed(stage, i, e))
+
+        return call
+
+    def _stage_copies(self, i: int) -> list[tuple[Any, Any]]:
+        """Sub-chunk ``i``'s staging copies, into blocks taken from its ring room (the
+        sub-chunk reads its inputs from those blocks from now on)."""
+        sub = self.subs[i]
+        copies = []
+        for j, x in enumerate(sub.inputs):
+            if not sub.to_stage[j]:
+                continue
+            block = sub.res.take(x.nbytes) if sub.res is not None else None
+            if block is None:
+                sub.fallbacks += 1  # no room: copied straight from pageable memory
+                continue
+            dst = block.view(x.dtype).reshape(x.shape)
+            sub.inputs[j] = dst  # read by the H2D, issued only once this stage is done
+            copies.append((x, dst))
+        self.tally["bytes_staged"] += sum(src.nbytes for src, _ in copies)
+        return copies
+
+    def _copy_now(self, sub: SubChunk, stage: Stage, copies: list, fn: Callable) -> None:
+        """``copies`` of ``sub``, done before this returns (the lean path's stages)."""
+        t0 = time.time()
+        self.rt.copies.run(copies, fn)
+        sub.spans.append((stage.name.lower(), t0, time.time(), sum(s.nbytes for s, _ in copies)))
+
+    def _host_copy(self, i: int, stage: Stage, copies: list, fn: Callable) -> None:
+        """``copies`` of sub-chunk ``i`` on the copy threads; ``stage`` is done when all are
+        (a Done event, from the thread that finished the last piece)."""
+        sub = self.subs[i]
+        nbytes = sum(src.nbytes for src, _ in copies)
+        t0 = time.time()
+
+        def done(error: BaseException | None) -> None:
+            if error is not None:
+                self.failed.add(i)
+                self._post(Failed(stage, i, error))
+                return
+            sub.spans.append((stage.name.lower(), t0, time.time(), nbytes))
+            self._post(Done(stage, i))
+
+        self.rt.copies.copy(copies, fn, self._callback(i, stage, done))  # overlapped
+
+    def _device_work(self, i: int, stream: Any) -> Callable[[], None]:
+        """What enqueues sub-chunk ``i``'s H2D, COMPUTE and D2H on ``stream``, with a mark
+        around each (run in the stream's order, by :meth:`Stream.submit` or ``run``)."""
+        sub, backend = self.subs[i], self.backend
+        kwargs = self.kwargs
+        if self.spec.block_info is not None:
+            kwargs = dict(kwargs, block_info=self.lay.block_info(self.spec.block_info, i))
+        mark = backend.mark
+
+        def work() -> None:
+            with nvtx_range(backend.name, self.spec.key, i, "device"):
+                marks = [mark(stream)]
+                dev = [backend.copy_in(stream, x) for x in sub.inputs]
+                marks.append(mark(stream))
+                sub.stage_now = Stage.COMPUTE
+                args = list(self.args)
+                for p, d in zip(self.lay.axes, dev, strict=True):
+                    args[p] = d
+                raw = backend.compute(stream, self.func, args, kwargs)
+                sub.device = (dev, raw)  # held until the D2H has completed
+                marks.append(mark(stream))
+                sub.stage_now = Stage.D2H
+                self._copy_out(i, sub, raw, stream)
+                marks.append(mark(stream))
+                sub.marks = marks
+
+        return work
+
+    def _copy_out(self, i: int, sub: SubChunk, raw: Any, stream: Any) -> None:
+        """Validate ``func``'s result and enqueue its copy out (in ``stream``'s order)."""
+        result = self.backend.as_result(raw)
+        if result is None:
+            raise not_an_array(self.spec.func_name, raw, self.where)
+        sub.device = (sub.device[0], result)
+        spec = self.spec
+        plan_sub = self.lay.plan.sub_chunks[i]
+        if spec.out_split_axis is not None:
+            check_split_extent(
+                spec.func_name, spec.split_axis, spec.out_split_axis, result, plan_sub, self.where
+            )
+        dest = self.output.slot(i, result, stream, sub.direct)
+        if dest is None:  # the result is the partition's output: nothing to copy
+            return
+        if spec.out == "device":  # one sub-chunk's slice of the partition's output
+            self.backend.wait(stream, self.output.ready)
+            self.backend.place(stream, result, dest)
+            return
+        target = dest
+        if not sub.direct and dest.nbytes and not self.pool.owns(dest):
+            # Into the ring first, then unstaged into ``dest`` by the copy threads: a
+            # copy from the device into fresh pageable memory is the naive path's slowest.
+            block = sub.res.take(result.nbytes) if sub.res is not None else None
+            if block is None:
+                sub.fallbacks += 1
+            else:
+                target = sub.ring_out = block.view(result.dtype).reshape(result.shape)
+                sub.dest = dest
+        if sub.res is not None:
+            sub.res.close()  # room reserved but not needed (e.g. a pinned result)
+        self.backend.copy_out(stream, result, target)
+        sub.d2h_bytes = result.nbytes
+
+    # -- letting go ------------------------------------------------------------------
+    def _resolve_marks(self, sub: SubChunk) -> None:
+        """Turn the completed sub-chunk's stream marks into spans."""
+        if len(sub.marks) != 4:
+            return
+        t = self.backend.resolve(sub.marks)
+        sub.spans += [
+            ("h2d", t[0], t[1], sub.h2d_bytes),
+            ("compute", t[1], t[2], sub.h2d_bytes),
+            ("d2h", t[2], t[3], sub.d2h_bytes),
+        ]
+        sub.marks = []
+
+    def _record(self, i: int) -> None:
+        """Hand sub-chunk ``i``'s spans to the runtime and the meter; let go of it."""
+        sub = self.subs[i]
+        self.rt.record_spans(self.spec.key, i, sub.stream, sub.spans)
+        self.meter.spans(sub.spans)
+        self._drop(i)
+
+    def _off_device(self, sub: SubChunk) -> None:
+        """Let go of the device buffers and staged inputs (their copies have completed)."""
+        if sub.on_device:
+            sub.on_device = False
+            self.rt.counters.add(device_bytes_in_flight=-sub.h2d_bytes)
+        sub.device = sub.inputs = None
+
+    def _drop(self, i: int) -> None:
+        sub = self.subs[i]
+        self._off_device(sub)
+        if sub.res is not None:
+            sub.res.close()
+        sub.res = sub.ring_out = sub.dest = None
+        sub.spans = []
+
+    def _wait_streams(self) -> None:
+        """Block until all work this partition put on its streams has completed."""
+        used = list(self.used_streams.values())
+        done = threading.Semaphore(0)
+        for s in used:
+            s.on_complete(lambda _error: done.release())
+        for _ in used:
+            done.acquire()
+
+
+class _LeanRun(_PartitionRun):
+    """The driver of a partition of one sub-chunk (see :meth:`run`)."""
+
     def run(self) -> Any:
-        if not self.split:
-            return self._run_lean()
-        counters = self.rt.counters
-        counters.add(partitions=1, partitions_active=1, window_capacity=self.window)
-        try:
-            with self.meter.task():  # digests in this thread: context_meter is a ContextVar
-                return self._run()
-        finally:
-            counters.add(partitions_active=-1, window_capacity=-self.window)
-
-    def _run_lean(self) -> Any:
         """A partition of one sub-chunk: nothing of it can overlap anything else of it, so
         the task's thread runs its stages itself, in order, with no engine, no events and
         no hand-off to another thread (copies too large for one thread still go to the
@@ -280,7 +379,7 @@ class _PartitionRun:
         try:
             while not self._admit(0):  # no room: this partition holds none while it waits
                 t0 = time.perf_counter()
-                self.pool.wait_for_room(self.need, _RING_POLL_SECONDS)
+                self.pool.wait_for_room(self.admission.waiting_for, _RING_POLL_SECONDS)
                 meter.backpressure += time.perf_counter() - t0
             if any(sub.to_stage):
                 self._copy_now(sub, Stage.STAGE, self._stage_copies(0), self.backend.stage)
@@ -302,7 +401,7 @@ class _PartitionRun:
             error = e
             if stream is not None:
                 self._wait_streams()  # nothing is dropped before the stream is done with it
-            self.out = None
+            self.output.array = None
         finally:
             self._drop(0)
             self._settle(
@@ -317,39 +416,23 @@ class _PartitionRun:
             meter.digest()  # in this thread: context_meter is a ContextVar
         if error is not None:
             self._raise(error)
-        return self.out
+        return self.output.array
 
-    def _settle(self, failed: bool, max_window: int, **amounts: float) -> None:
-        """This partition's tallies into the runtime's counters, in one locked update (both
-        paths), plus what the path itself adds in ``amounts``; fallbacks to the meter."""
-        fallbacks = self.fallbacks + sum(sub.fallbacks for sub in self.subs)
-        self.rt.counters.settle(
-            dict(
-                self.tally,
-                partitions_failed=int(failed),
-                sub_chunks=len(self.subs),
-                pinned_fallbacks=fallbacks,
-                ring_full=self.ring_full,
-                **amounts,
-            ),
-            max_window,
-            self.meter.busy,
-        )
-        self.meter.fallback(fallbacks)
 
-    def _raise(self, error: BaseException) -> None:
-        """Re-raise a partition's failure; an out-of-memory error says where and how much."""
-        oom = self.backend.describe_oom(error)
-        if oom is not None:
-            # The original stays as __cause__ (and in the text, since a cause does not
-            # travel with a pickled exception).
-            raise MemoryError(
-                f"{self.spec.func_name} ran out of memory in {self.where}: {oom} "
-                f"({type(error).__name__}: {error})"
-            ) from error
-        raise error
+class _EngineRun(_PartitionRun):
+    """The driver of a partition of several sub-chunks: the engine decides what starts
+    when, and the stages' completions come back to this thread as its events."""
 
-    def _run(self) -> Any:
+    def run(self) -> Any:
+        counters = self.rt.counters
+        counters.add(partitions=1, partitions_active=1, window_capacity=self.window)
+        try:
+            with self.meter.task():  # digests in this thread: context_meter is a ContextVar
+                return self._drive()
+        finally:
+            counters.add(partitions_active=-1, window_capacity=-self.window)
+
+    def _drive(self) -> Any:
         counters = self.rt.counters
         n = len(self.subs)
         pipe = Pipeline(
@@ -375,7 +458,7 @@ class _PartitionRun:
                 if pipe.stalled and not pipe.in_flight:
                     # Nothing of ours is in flight, so nothing of ours holds ring room:
                     # waiting for another partition to give some back cannot deadlock.
-                    self.pool.wait_for_room(self.need, _RING_POLL_SECONDS)
+                    self.pool.wait_for_room(self.admission.waiting_for, _RING_POLL_SECONDS)
                     waited += time.perf_counter() - t0
                     actions = pipe.retry()
                     continue
@@ -394,7 +477,7 @@ class _PartitionRun:
                 self._wait_streams()
                 for i in range(n):
                     self._drop(i)
-                self.out = None
+                self.output.array = None
             self._settle(
                 pipe.error is not None,
                 pipe.max_in_flight,
@@ -403,24 +486,7 @@ class _PartitionRun:
             )
         if pipe.error is not None:
             self._raise(pipe.error)
-        return self.out
-
-    def _post(self, event: Done | Failed) -> None:
-        self.events.put(event)
-
-    def _callback(self, i: int, stage: Stage, fn: Callable[..., None]) -> Callable[..., None]:
-        """``fn`` to be called back from another thread for sub-chunk ``i``: should it raise,
-        the sub-chunk fails with that error, rather than leave the driver waiting for an
-        event that would never come."""
-
-        def call(*args: Any) -> None:
-            try:
-                fn(*args)
-            except BaseException as e:
-                self.failed.add(i)
-                self.events.put(Failed(stage, i, e))
-
-        return call
+        return self.output.array
 
     def _dispatch(self, actions: list[Action]) -> None:
         # H2D, COMPUTE and D2H of a sub-chunk come together (see the engine) and are
@@ -456,51 +522,9 @@ class _PartitionRun:
                 self.tally["bytes_unstaged"] += sub.ring_out.nbytes
             self._record(i)
 
-    # -- the stages -------------------------------------------------------------------
     def _stage(self, i: int) -> None:
         """Copy sub-chunk ``i``'s pageable inputs into its ring room, in parallel pieces."""
         self._host_copy(i, Stage.STAGE, self._stage_copies(i), self.backend.stage)
-
-    def _stage_copies(self, i: int) -> list[tuple[Any, Any]]:
-        """Sub-chunk ``i``'s staging copies, into blocks taken from its ring room (the
-        sub-chunk reads its inputs from those blocks from now on)."""
-        sub = self.subs[i]
-        copies = []
-        for j, x in enumerate(sub.inputs):
-            if not sub.to_stage[j]:
-                continue
-            block = sub.res.take(x.nbytes) if sub.res is not None else None
-            if block is None:
-                sub.fallbacks += 1  # no room: copied straight from pageable memory
-                continue
-            dst = block.view(x.dtype).reshape(x.shape)
-            sub.inputs[j] = dst  # read by the H2D, issued only once this stage is done
-            copies.append((x, dst))
-        self.tally["bytes_staged"] += sum(src.nbytes for src, _ in copies)
-        return copies
-
-    def _copy_now(self, sub: _Sub, stage: Stage, copies: list, fn: Callable) -> None:
-        """``copies`` of ``sub``, done before this returns (the lean path's stages)."""
-        t0 = time.time()
-        self.rt.copies.run(copies, fn)
-        sub.spans.append((stage.name.lower(), t0, time.time(), sum(s.nbytes for s, _ in copies)))
-
-    def _host_copy(self, i: int, stage: Stage, copies: list, fn: Callable) -> None:
-        """``copies`` of sub-chunk ``i`` on the copy threads; ``stage`` is done when all are
-        (a Done event, from the thread that finished the last piece)."""
-        sub = self.subs[i]
-        nbytes = sum(src.nbytes for src, _ in copies)
-        t0 = time.time()
-
-        def done(error: BaseException | None) -> None:
-            if error is not None:
-                self.failed.add(i)
-                self._post(Failed(stage, i, error))
-                return
-            sub.spans.append((stage.name.lower(), t0, time.time(), nbytes))
-            self._post(Done(stage, i))
-
-        self.rt.copies.copy(copies, fn, self._callback(i, stage, done))  # overlapped
 
     def _device(self, i: int) -> None:
         """H2D, COMPUTE and D2H of sub-chunk ``i``, enqueued together on one stream; its
@@ -523,68 +547,6 @@ class _PartitionRun:
 
         stream.submit(self._device_work(i, stream), self._callback(i, Stage.H2D, issued))
 
-    def _device_work(self, i: int, stream: Any) -> Callable[[], None]:
-        """What enqueues sub-chunk ``i``'s H2D, COMPUTE and D2H on ``stream``, with a mark
-        around each (run in the stream's order, by :meth:`Stream.submit` or ``run``)."""
-        sub, backend = self.subs[i], self.backend
-        kwargs = self.kwargs
-        if self.spec.block_info is not None:
-            kwargs = dict(kwargs, block_info=self.lay.block_info(self.spec.block_info, i))
-        mark = backend.mark
-
-        def work() -> None:
-            with nvtx_range(backend.name, self.spec.key, i, "device"):
-                marks = [mark(stream)]
-                dev = [backend.copy_in(stream, x) for x in sub.inputs]
-                marks.append(mark(stream))
-                sub.stage_now = Stage.COMPUTE
-                args = list(self.args)
-                for p, d in zip(self.lay.axes, dev, strict=True):
-                    args[p] = d
-                raw = backend.compute(stream, self.func, args, kwargs)
-                sub.device = (dev, raw)  # held until the D2H has completed
-                marks.append(mark(stream))
-                sub.stage_now = Stage.D2H
-                self._copy_out(i, sub, raw, stream)
-                marks.append(mark(stream))
-                sub.marks = marks
-
-        return work
-
-    def _copy_out(self, i: int, sub: _Sub, raw: Any, stream: Any) -> None:
-        """Validate ``func``'s result and enqueue its copy out (in ``stream``'s order)."""
-        result = self.backend.as_result(raw)
-        if result is None:
-            raise not_an_array(self.spec.func_name, raw, self.where)
-        sub.device = (sub.device[0], result)
-        spec = self.spec
-        plan_sub = self.lay.plan.sub_chunks[i]
-        if spec.out_split_axis is not None:
-            check_split_extent(
-                spec.func_name, spec.split_axis, spec.out_split_axis, result, plan_sub, self.where
-            )
-        dest = self._output_for(i, result, stream)
-        if dest is None:  # the result is the partition's output: nothing to copy
-            return
-        if spec.out == "device":  # one sub-chunk's slice of the partition's output
-            self.backend.wait(stream, self.out_ready)
-            self.backend.place(stream, result, dest)
-            return
-        target = dest
-        if not sub.direct and dest.nbytes and not self.pool.owns(dest):
-            # Into the ring first, then unstaged into ``dest`` by the copy threads: a
-            # copy from the device into fresh pageable memory is the naive path's slowest.
-            block = sub.res.take(result.nbytes) if sub.res is not None else None
-            if block is None:
-                sub.fallbacks += 1
-            else:
-                target = sub.ring_out = block.view(result.dtype).reshape(result.shape)
-                sub.dest = dest
-        if sub.res is not None:
-            sub.res.close()  # room reserved but not needed (e.g. a pinned result)
-        self.backend.copy_out(stream, result, target)
-        sub.d2h_bytes = result.nbytes
-
     def _unstage(self, i: int) -> None:
         """Copy sub-chunk ``i``'s result out of the ring into the partition's result."""
         sub = self.subs[i]
@@ -592,96 +554,3 @@ class _PartitionRun:
             self._post(Done(Stage.UNSTAGE, i))
             return
         self._host_copy(i, Stage.UNSTAGE, [(sub.ring_out, sub.dest)], self.backend.unstage)
-
-    # -- results, output and buffers ---------------------------------------------------
-    def _output_for(self, i: int, result: Any, stream: Any) -> Any:
-        """Where sub-chunk ``i``'s result goes in the partition's output, made on first use.
-
-        ``None`` when the result of the only sub-chunk is the output itself: with
-        ``out="device"``, and with ``out="host"`` on a backend whose device memory is host
-        memory when nothing goes through the ring (a copy would only move it).
-        """
-        spec = self.spec
-        with self._out_lock:
-            if self.out is not None:
-                check_like_first(
-                    spec.func_name,
-                    result,
-                    self.out,
-                    spec.out_split_axis,
-                    self.lay.plan.sub_chunks[i],
-                    self.split,
-                    self.where,
-                )
-                return self.lay.out_slice(self.out, i)
-            shape = self.lay.out_shape(result.shape)
-            check_declared(
-                spec.func_name, shape, result.dtype, spec.out_shape, spec.out_dtype, self.where
-            )
-            if not self.split and (
-                spec.out == "device"
-                or (spec.out == "host" and self.subs[i].direct and self.backend.host_memory)
-            ):
-                self.out = result
-                return None
-            self.out = self._allocate_output(shape, result.dtype, stream)
-            return self.lay.out_slice(self.out, i)
-
-    def _allocate_output(self, shape: tuple[int, ...], dtype: np.dtype, stream: Any) -> Any:
-        if self.spec.out == "device":
-            out = self.backend.empty_device(shape, dtype)
-            # The other sub-chunks write into it from their own streams, after this mark.
-            self.out_ready = self.backend.mark(stream)
-            return out
-        if self.spec.out == "pinned":
-            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-            block = self.pool.allocate(nbytes) if nbytes else None
-            if block is not None:
-                return block.view(dtype).reshape(shape)
-            if nbytes:
-                self.fallbacks += 1  # past the pool's bound for held results
-        # Untouched until the copy threads write it: they fault its pages in, in parallel.
-        return np.empty(shape, dtype)
-
-    def _resolve_marks(self, sub: _Sub) -> None:
-        """Turn the completed sub-chunk's stream marks into spans."""
-        if len(sub.marks) != 4:
-            return
-        t = self.backend.resolve(sub.marks)
-        sub.spans += [
-            ("h2d", t[0], t[1], sub.h2d_bytes),
-            ("compute", t[1], t[2], sub.h2d_bytes),
-            ("d2h", t[2], t[3], sub.d2h_bytes),
-        ]
-        sub.marks = []
-
-    def _record(self, i: int) -> None:
-        """Hand sub-chunk ``i``'s spans to the runtime and the meter; let go of it."""
-        sub = self.subs[i]
-        self.rt.record_spans(self.spec.key, i, sub.stream, sub.spans)
-        self.meter.spans(sub.spans)
-        self._drop(i)
-
-    def _off_device(self, sub: _Sub) -> None:
-        """Let go of the device buffers and staged inputs (their copies have completed)."""
-        if sub.on_device:
-            sub.on_device = False
-            self.rt.counters.add(device_bytes_in_flight=-sub.h2d_bytes)
-        sub.device = sub.inputs = None
-
-    def _drop(self, i: int) -> None:
-        sub = self.subs[i]
-        self._off_device(sub)
-        if sub.res is not None:
-            sub.res.close()
-        sub.res = sub.ring_out = sub.dest = None
-        sub.spans = []
-
-    def _wait_streams(self) -> None:
-        """Block until all work this partition put on its streams has completed."""
-        used = list(self.used_streams.values())
-        done = threading.Semaphore(0)
-        for s in used:
-            s.on_complete(lambda _error: done.release())
-        for _ in used:
-            done.acquire()
