@@ -22,6 +22,9 @@ from support import poll
 import dask_overlap
 from dask_overlap import LocalGPUCluster, OverlapSchedulerPlugin
 from dask_overlap.dashboard import OverlapView, register_with_scheduler, render_html
+from dask_overlap.dashboard.history import Histories, WorkerHistory
+from dask_overlap.metrics.timeline import COLUMNS, pack
+from dask_overlap.metrics.worker import TIMELINE_HANDLER
 
 PLUGIN = dict(backend="host", pinned_pool_size="64MiB", in_flight=2, streams=2)
 CLUSTER = dict(
@@ -45,9 +48,28 @@ def double(b: np.ndarray) -> np.ndarray:
     return b * 2
 
 
-def run_once(client: Client) -> int:
+def run_watched(client: Client, base: str, cluster: LocalCluster) -> int:
+    """Run a job while reading ``/overlap.json`` as an open page would, until every
+    worker's heartbeats have brought all its bytes and some spans; the bytes moved in.
+
+    The scheduler gathers spans from heartbeats only while someone reads them, and each
+    heartbeat carries the last two seconds of activity, for ten seconds after it: hence
+    reading from the start."""
     x = da.random.random((2000, 64), chunks=(250, 64)).persist()
+    wait(x)
     y = dask_overlap.map_blocks(double, x, split_axis=0, sub_chunk_bytes="16KiB").persist()
+
+    def ready() -> bool:
+        status, body = get(f"{base}/overlap.json")
+        assert status == 200, status
+        workers = json.loads(body)["workers"]
+        return (
+            set(workers) == set(cluster.scheduler.workers)
+            and sum(w["bytes_h2d"] for w in workers.values()) == x.nbytes
+            and all(w["timeline"]["start"] for w in workers.values())
+        )
+
+    poll(ready)
     wait(y)
     return x.nbytes
 
@@ -79,18 +101,40 @@ def check_page(base: str) -> None:
 def check_snapshot(snap: dict[str, Any], cluster: LocalCluster) -> None:
     assert snap["link_bandwidth"] == 55e9  # overlap.link-bandwidth
     assert set(snap["workers"]) == set(cluster.scheduler.workers)
+    assert snap["detail"] is False
     for w in snap["workers"].values():
         assert w["bytes_h2d"] > 0 and w["bytes_d2h"] > 0, w
-        assert len(w["timeline"]["start"]) > 0
+        # What the page gathered during the run stays after it.
+        assert len(w["timeline"]["start"]) > 0 and w["timeline_source"] == "heartbeats"
+        assert set(w["timeline"]) == set(COLUMNS)
+        assert len(w["rates"]["time"]) == len(w["rates"]["h2d"]) > 0
+        assert "recent" not in w  # the heartbeat's packed spans are unpacked into timeline
         assert {"pinned_bytes_in_use", "pinned_pool_size", "device_bytes_in_use"} <= set(w)
         assert {"in_flight", "window_capacity", "backpressure_seconds"} <= set(w)
+
+
+def count_timeline_calls(dask_worker: Any) -> None:
+    """Count the calls of a worker's timeline handler (the one RPC the dashboard has)."""
+    handler = dask_worker.handlers[TIMELINE_HANDLER]
+    calls = dask_worker.overlap_timeline_calls = []
+
+    def counted(**kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return handler(**kwargs)
+
+    dask_worker.handlers[TIMELINE_HANDLER] = counted
+
+
+def timeline_calls(dask_worker: Any) -> int:
+    return len(dask_worker.overlap_timeline_calls)
 
 
 @pytest.fixture(scope="module")
 def plain() -> Iterator[tuple[LocalCluster, Client, int]]:
     with LocalCluster(**CLUSTER) as cluster, Client(cluster) as client:
         dask_overlap.register(client, **PLUGIN)
-        yield cluster, client, run_once(client)
+        client.run(count_timeline_calls)
+        yield cluster, client, run_watched(client, base_url(cluster), cluster)
 
 
 def base_url(cluster: LocalCluster, prefix: str = "") -> str:
@@ -102,6 +146,29 @@ def test_page_and_json(plain: tuple[LocalCluster, Client, int]) -> None:
     base = base_url(cluster)
     check_page(base)
     check_snapshot(full_snapshot(base, cluster, nbytes), cluster)
+
+
+def test_json_comes_from_heartbeats_not_requests_to_workers(
+    plain: tuple[LocalCluster, Client, int],
+) -> None:
+    """#14: the page and ``/overlap.json`` read what heartbeats brought; only
+    ``?detail=1`` asks the workers, once each per request."""
+    cluster, client, nbytes = plain
+    base = base_url(cluster)
+    check_page(base)
+    snap = full_snapshot(base, cluster, nbytes)  # after the whole run was read, above
+    assert client.run(timeline_calls) == dict.fromkeys(cluster.scheduler.workers, 0)
+    for address, w in snap["workers"].items():
+        beat = cluster.scheduler.workers[address].metrics["overlap"]
+        assert w["bytes_h2d"] == beat["bytes_h2d"] and w["partitions"] == beat["partitions"]
+    status, body = get(f"{base}/overlap.json?detail=1")
+    assert status == 200
+    detail = json.loads(body)
+    assert detail["detail"] is True
+    assert {w["timeline_source"] for w in detail["workers"].values()} == {"worker"}
+    assert not any("rates" in w for w in detail["workers"].values())  # the page bins them
+    assert sum(w["bytes_h2d"] for w in detail["workers"].values()) == nbytes
+    assert client.run(timeline_calls) == dict.fromkeys(cluster.scheduler.workers, 1)
 
 
 def test_register_is_idempotent(plain: tuple[LocalCluster, Client, int]) -> None:
@@ -138,8 +205,8 @@ def test_under_a_dashboard_prefix() -> None:
         Client(cluster) as client,
     ):
         dask_overlap.register(client, **PLUGIN)
-        nbytes = run_once(client)
         base = base_url(cluster, "/dask")
+        nbytes = run_watched(client, base, cluster)
         check_page(base)
         check_snapshot(full_snapshot(base, cluster, nbytes), cluster)
         assert get(f"{base_url(cluster)}/overlap")[0] == 404
@@ -161,13 +228,13 @@ def test_local_gpu_cluster_sets_everything_up() -> None:
         Client(cluster) as client,
     ):
         assert "overlap-dashboard" in cluster.scheduler.plugins
-        nbytes = run_once(client)
+        nbytes = run_watched(client, base_url(cluster), cluster)
         check_snapshot(full_snapshot(base_url(cluster), cluster, nbytes), cluster)
 
 
 def test_plugin_checks_its_arguments() -> None:
-    with pytest.raises(ValueError, match="window must be"):
-        OverlapSchedulerPlugin(window=0)
+    with pytest.raises(ValueError, match="timeline_seconds must be"):
+        OverlapSchedulerPlugin(timeline_seconds=0)
     with pytest.raises(ValueError, match="interval must be"):
         OverlapSchedulerPlugin(interval=1)
     with pytest.raises(ValueError, match="link_bandwidth"):
@@ -201,10 +268,76 @@ def test_view_and_static_render(tmp_path: Path) -> None:
     # Every byte copied lands in some bin: rate x bin width sums to the bytes moved.
     width = (rates["time"][1] - rates["time"][0]) / 1000
     assert sum(rates["h2d"]) * width * 1e9 == pytest.approx(6 * 2**20)
-    view.update({"time": 0.0, "window": 10.0, "workers": {}})  # the worker left
+    view.update({"time": 0.0, "timeline_seconds": 10.0, "workers": {}})  # the worker left
     assert view.panels == {} and view.timeline_source.data["left"] == []
     out = render_html(synthetic(), str(tmp_path / "overlap.html"))
     assert "overlap-timeline" in Path(out).read_text()
+
+
+def test_view_plots_the_rates_heartbeats_reported() -> None:
+    snap = synthetic()
+    t0 = snap["time"] - 1
+    snap["workers"]["w"]["rates"] = {"time": [t0, t0 + 0.5], "h2d": [2e9, 4e9], "d2h": [0.0, 1e9]}
+    view = OverlapView(55e9)
+    view.update(snap)
+    rates = view.panels["w"].rate_source.data
+    assert rates == {"time": [t0 * 1000, (t0 + 0.5) * 1000], "h2d": [2.0, 4.0], "d2h": [0.0, 1.0]}
+    assert "from the workers' heartbeats" in view.header.text
+
+
+def beat(t: float, spans: list[tuple[int, str, float, float]], h2d: float = 1e9) -> dict:
+    """A heartbeat entry at worker time ``t`` carrying ``(sub_chunk, stage, start, end)``."""
+    from dask_overlap.runtime import Span
+
+    packed = pack([Span(("f", 0), i, 0, st, a, b, 10) for i, st, a, b in spans])
+    return {"time": t, "h2d_bytes_per_second": h2d, "d2h_bytes_per_second": 0.0, "recent": packed}
+
+
+def test_history_merges_overlapping_heartbeats_once() -> None:
+    h = WorkerHistory(seconds=10.0, limit=100)
+    first = beat(2.0, [(0, "h2d", 0.0, 1.0), (0, "compute", 1.0, 1.5)])
+    h.merge(first)
+    h.merge(first)  # read twice before the next heartbeat: merged once
+    h.merge(beat(2.5, [(0, "compute", 1.0, 1.5), (1, "h2d", 1.5, 2.4)]))  # overlaps the first
+    t = h.timeline()
+    assert list(zip(t["sub_chunk"], t["stage"], strict=True)) == [
+        (0, "h2d"),
+        (0, "compute"),
+        (1, "h2d"),
+    ]
+    assert t["key"] == ["('f', 0)"] * 3
+    assert h.rates()["time"] == [2.0, 2.5]
+
+
+def test_history_keeps_the_last_seconds_of_activity_and_the_newest_spans() -> None:
+    h = WorkerHistory(seconds=10.0, limit=3)
+    h.merge(beat(1.0, [(i, "h2d", 0.1 * i, 0.1 * i + 0.1) for i in range(5)]))
+    assert h.timeline()["sub_chunk"] == [2, 3, 4]  # the newest three
+    # Long after the run, with nothing new: its spans stay, and idle rates do not pile up.
+    for t in range(2, 100):
+        h.merge(beat(float(t), [], h2d=0.0))
+    assert h.timeline()["sub_chunk"] == [2, 3, 4]
+    assert h.rates()["time"] == [1.0, 2.0]  # within the averaging interval of the last span
+    # A new run pushes the old one out.
+    h.merge(beat(100.0, [(9, "d2h", 99.0, 99.5)]))
+    assert h.timeline()["sub_chunk"] == [9]
+
+
+class FakeWorkerState:
+    def __init__(self, address: str, metrics: dict) -> None:
+        self.address = address
+        self.metrics = metrics
+
+
+def test_histories_follow_the_workers_that_report() -> None:
+    hs = Histories(seconds=10.0, limit=10)
+    a = FakeWorkerState("tcp://a:1", {"overlap": beat(1.0, [(0, "h2d", 0.0, 0.5)])})
+    b = FakeWorkerState("tcp://b:1", {})  # no OverlapPlugin there
+    got = hs.update([b, a])
+    assert [ws.address for ws, _ in got] == ["tcp://a:1"]
+    assert got[0][1].timeline()["end"] == [0.5]
+    assert hs.update([b]) == []
+    assert hs.update([a])[0][1].timeline()["end"] == [0.5]  # from its heartbeat again
 
 
 def test_cli_worker_adds_the_page(tmp_path: Path) -> None:
@@ -232,8 +365,8 @@ def test_json_is_served_without_bokeh(monkeypatch) -> None:
     with LocalCluster(**CLUSTER) as cluster, Client(cluster) as client:
         monkeypatch.setitem(sys.modules, "distributed.dashboard.core", None)
         dask_overlap.register(client, **PLUGIN)
-        nbytes = run_once(client)
         base = base_url(cluster)
+        nbytes = run_watched(client, base, cluster)
         check_snapshot(full_snapshot(base, cluster, nbytes), cluster)
         assert get(f"{base}/overlap")[0] == 404  # no page, and no error either
         assert cluster.scheduler.plugins["overlap-dashboard"].app is None

@@ -19,6 +19,8 @@ import dask_overlap
 from dask_overlap.metrics import TaskMeter, busy_unit, nvtx, prometheus, stages, timeline
 from dask_overlap.metrics.summary import worker_metrics
 from dask_overlap.metrics.worker import (
+    HEARTBEAT_IDLE_SECONDS,
+    HEARTBEAT_SPAN_LIMIT,
     METRICS_NAME,
     TIMELINE_HANDLER,
     detail,
@@ -134,6 +136,10 @@ def test_worker_metrics_heartbeat_and_detail_of_a_threaded_run() -> None:
     assert len(beat["recent"]["keys"]) == len(set(cols["key"]))
     assert timeline.unpack(beat["recent"]) == cols
     assert heartbeat(rt, seconds=60, limit=0, now=now)["recent"]["start"] == []
+    # The last seconds of activity, for a while after it: then none.
+    later = heartbeat(rt, limit=5, now=now + HEARTBEAT_IDLE_SECONDS - 1)["recent"]
+    assert timeline.unpack(later) == cols
+    assert heartbeat(rt, limit=5, now=now + HEARTBEAT_IDLE_SECONDS + 1)["recent"]["start"] == []
 
 
 def test_recent_spans_and_busy_wall_time() -> None:
@@ -143,6 +149,24 @@ def test_recent_spans_and_busy_wall_time() -> None:
     assert [s.sub_chunk for s in timeline.recent(spans, now=9.5, seconds=2.0)] == [7, 8, 9]
     assert timeline.busy_wall_seconds([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0
     assert timeline.busy_wall_seconds([]) == 0.0
+
+
+def test_a_heartbeat_carries_a_bounded_window_of_spans() -> None:
+    from dask_overlap.runtime import Span
+
+    rt = dask_overlap.get_runtime("host")
+    rt.timeline.clear()
+    n = 3 * HEARTBEAT_SPAN_LIMIT
+    try:
+        rt.timeline.extend(
+            Span(("k", i // 10), i, 0, "h2d", 0.001 * i, 0.001 * i + 1e-4, 8) for i in range(n)
+        )
+        recent = heartbeat(rt, seconds=60, now=0.001 * n)["recent"]
+        assert recent["sub_chunk"] == list(range(n - HEARTBEAT_SPAN_LIMIT, n))  # the newest
+        assert len(recent["keys"]) == HEARTBEAT_SPAN_LIMIT // 10  # each key listed once
+        assert len(heartbeat(rt, seconds=0.0995, now=0.001 * n)["recent"]["start"]) == 100
+    finally:
+        rt.timeline.clear()
 
 
 class FakeWorker:

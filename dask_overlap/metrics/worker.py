@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
 
 __all__ = [
+    "HEARTBEAT_IDLE_SECONDS",
     "HEARTBEAT_SPAN_LIMIT",
     "HEARTBEAT_SPAN_SECONDS",
     "METRICS_NAME",
@@ -43,12 +44,16 @@ __all__ = [
 METRICS_NAME = "overlap"
 #: Worker handler that answers :func:`detail` (metrics plus every recent span).
 TIMELINE_HANDLER = "overlap_timeline"
-#: A heartbeat carries the spans that ended in the last this many seconds, or in the last
-#: two heartbeat intervals where those are longer: consecutive heartbeats overlap, so a
-#: reader that looks once per interval misses none of what they carry...
+#: A heartbeat carries the spans that ended in the last this many seconds of activity
+#: (before the newest span's end), or of two heartbeat intervals where those are longer:
+#: consecutive heartbeats overlap, so a reader that looks once per interval misses none
+#: of what they carry...
 HEARTBEAT_SPAN_SECONDS = 2.0
-#: ...but at most this many (the newest): a heartbeat stays a few tens of KiB.
+#: ...but at most this many (the newest): a heartbeat stays a few tens of KiB...
 HEARTBEAT_SPAN_LIMIT = 400
+#: ...and only for this many seconds after the newest span ended: a page opened just
+#: after a run still shows its end, an idle worker's heartbeats soon carry none.
+HEARTBEAT_IDLE_SECONDS = 10.0
 #: At most this many spans per worker in a detailed timeline (the newest).
 TIMELINE_LIMIT = 1500
 
@@ -60,12 +65,17 @@ def heartbeat(
     now: float | None = None,
 ) -> dict[str, Any]:
     """:func:`~dask_overlap.metrics.summary.worker_metrics` plus ``recent``: the newest
-    ``limit`` spans that ended in the last ``seconds``, packed
+    ``limit`` spans of the last ``seconds`` of activity, none when the newest span ended
+    more than :data:`HEARTBEAT_IDLE_SECONDS` ago; packed
     (:func:`~dask_overlap.metrics.timeline.pack`)."""
     now = time.time() if now is None else now
     out = worker_metrics(rt, now)
-    spans = timeline.recent(list(rt.timeline), now, seconds)
-    out["recent"] = timeline.pack(spans[-limit:] if limit > 0 else [])
+    spans = list(rt.timeline)
+    # In completion order: the newest end is among the last few appended.
+    newest = max((s.end for s in spans[-limit:]), default=float("-inf"))
+    if newest < now - HEARTBEAT_IDLE_SECONDS or limit <= 0:
+        spans = []
+    out["recent"] = timeline.pack(timeline.recent(spans, newest, seconds)[-limit:])
     return out
 
 
