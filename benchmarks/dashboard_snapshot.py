@@ -3,11 +3,14 @@
 Two steps, which may run on different machines (the GPU machine need not have a browser):
 
 1. ``capture``: run a job on a :class:`~dask_overlap.LocalGPUCluster` (one worker per
-   GPU) and save ``/overlap.json`` while it runs::
+   GPU) and save ``/overlap.json?detail=1`` while it runs::
 
        python benchmarks/dashboard_snapshot.py capture overlap.json
 
-   (or fetch it yourself from any cluster's dashboard: ``curl http://SCHEDULER:8787/overlap.json``).
+   ``?detail=1`` asks each worker once for every span of its last ten seconds (at most
+   the newest 1500); plain ``/overlap.json`` holds what the workers' heartbeats brought
+   while it was read, a sample of the newest spans each heartbeat. Or fetch it yourself
+   from any cluster's dashboard: ``curl 'http://SCHEDULER:8787/overlap.json?detail=1'``.
 
 2. ``render``: draw the page from that file as a standalone HTML file (Bokeh inlined) and,
    where Debian's ``chromium`` is installed, a PNG screenshot of it::
@@ -33,7 +36,7 @@ from pathlib import Path
 
 
 def capture(out: Path, gib: float, chunk_mib: int, delay: float) -> None:
-    """Run ``2 * x + 1`` over ``gib`` GiB and save ``/overlap.json`` ``delay`` s in."""
+    """Run ``2 * x + 1`` over ``gib`` GiB and save ``/overlap.json?detail=1`` ``delay`` s in."""
     import dask.array as da
     from distributed import Client, wait
 
@@ -49,7 +52,8 @@ def capture(out: Path, gib: float, chunk_mib: int, delay: float) -> None:
         x = da.random.random((rows, 1024), chunks=(chunk_rows, 1024)).astype("float32")
         x = x.persist()
         wait(x)
-        url = f"http://127.0.0.1:{cluster.scheduler.http_server.port}/overlap.json"
+        port = cluster.scheduler.http_server.port
+        url = f"http://127.0.0.1:{port}/overlap.json?detail=1"
         saved: dict[str, bytes] = {}
 
         def grab() -> None:
