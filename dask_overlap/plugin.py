@@ -3,8 +3,8 @@
 A partition task finds its worker's runtime through :func:`worker_runtime` (called by
 :func:`~dask_overlap.get_runtime`, in :mod:`dask_overlap.current`), so every partition a
 worker runs shares that worker's streams and pools, and the pools' bounds hold for the
-whole worker. Where there is no
-distributed worker (the threaded scheduler) tasks use the per-process runtime instead.
+whole worker. Where there is no distributed worker (the threaded scheduler) tasks use the
+per-process runtime instead.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ __all__ = ["OverlapPlugin", "resolve_options", "worker_runtime"]
 # an asynchronous copy.
 _DRAIN_SECONDS = 30.0
 
-# The runtimes that plugins built in this process, by worker (id of the Worker object):
-# one per worker, since a worker holds at most one plugin of a given name.
-# The runtime each plugin built, by id(worker) (see dask_overlap.process).
-_live: Registry[int, Runtime] = Registry("worker plugins' runtimes, by id(worker)")
+# The runtimes that plugins built in this process, by worker address: one per worker,
+# since a worker holds at most one plugin of a given name; a process may run several
+# workers (see dask_overlap.process).
+_live: Registry[str, Runtime] = Registry("worker plugins' runtimes, by worker address")
 
 
 def resolve_options(options: Options | None = None, **overrides: Any) -> Options:
@@ -86,7 +86,7 @@ def worker_runtime(backend: str | None = None) -> Runtime | None:
         worker = None
     with _live.lock:
         if worker is not None:
-            rt = _live.items.get(id(worker))
+            rt = _live.items.get(worker.address)
         elif len(_live.items) == 1:
             rt = next(iter(_live.items.values()))
         else:
@@ -134,8 +134,8 @@ class OverlapPlugin(WorkerPlugin):
     async def setup(self, worker: Worker) -> None:
         rt = await asyncio.to_thread(Runtime, self.options)
         with _live.lock:
-            old = _live.items.pop(id(worker), None)
-            _live.items[id(worker)] = rt
+            old = _live.items.pop(worker.address, None)
+            _live.items[worker.address] = rt
         if old is not None:  # pragma: no cover - a worker removes its old plugin first
             await asyncio.to_thread(old.close)
         install_worker_metrics(worker, rt)  # heartbeat entry, dashboard handler, /metrics
@@ -143,7 +143,7 @@ class OverlapPlugin(WorkerPlugin):
 
     async def teardown(self, worker: Worker) -> None:
         with _live.lock:
-            rt = _live.items.pop(id(worker), None)
+            rt = _live.items.pop(worker.address, None)
         if rt is None:
             return
         uninstall_worker_metrics(worker)
@@ -156,7 +156,7 @@ class OverlapPlugin(WorkerPlugin):
     def runtime(self, worker: Worker) -> Runtime | None:
         """The runtime this plugin built for ``worker`` (``None`` before setup, after teardown)."""
         with _live.lock:
-            return _live.items.get(id(worker))
+            return _live.items.get(worker.address)
 
 
 def _drain_and_close(rt: Runtime) -> dict[str, Any]:
