@@ -70,7 +70,8 @@ def _timeline_figure(address: str, x_range: Any, source: Any) -> Any:
 
 def _throughput_figure(x_range: Any, source: Any, link_bandwidth: float) -> Any:
     """H2D and D2H of ``source`` (GB/s) under a dashed line at the link's ceiling."""
-    from bokeh.models import Range1d, Span
+    from bokeh.models import Range1d
+    from bokeh.models import Span as Rule  # Bokeh's line across a plot, not a timeline span
     from bokeh.plotting import figure
 
     fig = figure(
@@ -86,7 +87,7 @@ def _throughput_figure(x_range: Any, source: Any, link_bandwidth: float) -> Any:
         style = dict(source=source, color=COLORS[stage], legend_label=DISPLAY_NAMES[stage])
         fig.line("time", stage, line_width=2, **style)
         fig.scatter("time", stage, size=4, **style)  # a lone point shows too
-    ceiling = Span(location=link_bandwidth / GB, dimension="width", line_dash="dashed")
+    ceiling = Rule(location=link_bandwidth / GB, dimension="width", line_dash="dashed")
     ceiling.line_color = "#d62728"
     fig.add_layout(ceiling)
     _legend_outside(fig)
