@@ -33,9 +33,9 @@ COLORS = {"h2d": "tab:blue", "compute": "tab:green", "d2h": "tab:orange"}
 
 
 def trace(backend: Any, fn: Any) -> list[dict[str, Any]]:
-    backend.start_trace()
+    backend.trace.start()
     fn()
-    return backend.stop_trace()
+    return backend.trace.stop()
 
 
 def summary(spans: list[dict[str, Any]]) -> dict[str, Any]:

@@ -21,6 +21,10 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 _registries: list[Registry[Any, Any]] = []
+#: What registries held in the parent, kept referenced in a forked child and never used:
+#: destroying it there would run destructors (a CUDA stream's, say) against resources
+#: that belong to the parent.
+_left_behind: list[dict[Any, Any]] = []
 
 
 class Registry(Generic[K, V]):
@@ -48,7 +52,8 @@ class Registry(Generic[K, V]):
 
     def forget(self) -> None:
         """Start empty, with a fresh lock (the old one may be held by a parent's thread
-        that does not exist here)."""
+        that does not exist here); what it held is left alone (see ``_left_behind``)."""
+        _left_behind.append(self.items)
         self.items = {}
         self.lock = threading.Lock()
 

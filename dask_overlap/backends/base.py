@@ -5,6 +5,10 @@ bounded *pinned host pool*, and five operations: ``stage`` (host copy into pinne
 ``copy_in``, ``compute``, ``copy_out`` and ``unstage`` (host copy out of pinned memory).
 The runner calls ``copy_in``, ``compute`` and ``copy_out`` only through
 :meth:`Stream.submit`, so they run in the stream's order.
+
+The backends also offer a ``naive(func, *blocks)``: what the usual code does, one step at
+a time. It is the benchmarks' and the demo's point of comparison, which the runner never
+calls, so it is not part of this interface.
 """
 
 from __future__ import annotations
@@ -98,9 +102,6 @@ class Backend(Protocol):
 
     def place(self, stream: Stream, device: Any, out: Any) -> None:
         """Copy device array ``device`` into device array ``out``, in ``stream``'s order."""
-
-    def naive(self, func: Callable[..., Any], *blocks: np.ndarray, **kwargs: Any) -> np.ndarray:
-        """What the usual code does: copy in, compute, copy out, one step at a time."""
 
     def mark(self, stream: Stream) -> Any:
         """A point in ``stream``'s order (called in stream order, around each operation)."""

@@ -29,17 +29,14 @@ Nothing here touches CUDA at import time; everything is created by :class:`CudaB
 
 from __future__ import annotations
 
-import contextlib
-import copyreg
 import itertools
 import math
-import os
 import queue
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import cupy
@@ -50,7 +47,10 @@ from rmm.allocators.cupy import rmm_cupy_allocator
 from rmm.pylibrmm.stream import Stream as RmmStream
 
 from ..config import Options
+from ..process import Registry
 from .base import HostPool, OnDone, requested_bytes
+from .cuda_trace import EventTrace
+from .kernel_pickling import guard_kernel_pickling
 
 __all__ = ["CudaBackend", "CudaStream", "PinnedPool", "guard_kernel_pickling"]
 
@@ -60,7 +60,6 @@ _D2H = 2  # cudaMemcpyDeviceToHost
 _STOP = object()
 #: Timing events kept for reuse once resolved (four per sub-chunk in flight).
 _SPARE_MARKS = 1024
-_UNTRACED = contextlib.nullcontext()
 #: Copy-ins up to this size reuse their stream's device memory (CudaStream.scratch): at
 #: most this much per stream is kept. Larger ones allocate (their copy outweighs it).
 _SCRATCH_BYTES = 32 * 2**20
@@ -117,37 +116,36 @@ class _Span:
 # clear the wrapper first, destroying the stream, and then free the buffer on the dead
 # handle: a segfault, seen on the H200 during GPU tests. A stream that is never destroyed
 # cannot be used after its destruction; reusing it costs nothing.
-_free_streams: dict[int, list[Any]] = {}
-_all_streams: list[Any] = []  # every stream made, so that none is ever destroyed
-_pool_streams: dict[int, Any] = {}
-_streams_lock = threading.Lock()
+# device id -> its free streams ("free"), and the one its pinned pools use ("pool"); every
+# stream made also stays in "made", so that none is ever destroyed.
+_streams: Registry[tuple[str, int], Any] = Registry("cuda streams")
 
 
 def _take_stream(device_id: int) -> Any:
     """A non-blocking CuPy stream on ``device_id`` for a runtime, new or given back."""
-    with _streams_lock:
-        free = _free_streams.setdefault(device_id, [])
+    with _streams.lock:
+        free = _streams.items.setdefault(("free", device_id), [])
         if free:
             return free.pop()
         with cupy.cuda.Device(device_id):
             stream = cupy.cuda.Stream(non_blocking=True)
-        _all_streams.append(stream)
+        _streams.items.setdefault(("made", device_id), []).append(stream)
         return stream
 
 
 def _give_back_stream(device_id: int, stream: Any) -> None:
-    with _streams_lock:
-        _free_streams.setdefault(device_id, []).append(stream)
+    with _streams.lock:
+        _streams.items.setdefault(("free", device_id), []).append(stream)
 
 
 def _pool_stream(device_id: int) -> Any:
     """The one stream on which every pinned pool of ``device_id`` allocates and frees."""
-    with _streams_lock:
-        stream = _pool_streams.get(device_id)
+    with _streams.lock:
+        stream = _streams.items.get(("pool", device_id))
     if stream is None:
         mine = _take_stream(device_id)
-        with _streams_lock:
-            stream = _pool_streams.setdefault(device_id, mine)
+        with _streams.lock:
+            stream = _streams.items.setdefault(("pool", device_id), mine)
         if stream is not mine:
             _give_back_stream(device_id, mine)
     return stream
@@ -369,8 +367,8 @@ class CudaStream:
         _give_back_stream(self.device_id, self.cupy)
 
 
-_device_pools: dict[int, Any] = {}
-_device_pools_lock = threading.Lock()
+#: device id -> the RMM device resource this process allocates from (see _device_pool).
+_device_pools: Registry[int, Any] = Registry("cuda device pools")
 
 
 def _allocate(nbytes: int) -> Any:
@@ -395,12 +393,12 @@ def _device_pool(device_id: int, size: int, resource: str) -> Any:
     ``size`` does not apply: a second pool beside it would split the device between two
     owners.
     """
-    with _device_pools_lock:
-        stats = _device_pools.get(device_id)
+    with _device_pools.lock:
+        stats = _device_pools.items.get(device_id)
         current = rmm.mr.get_per_device_resource(device_id)
         if stats is None and type(current) is not rmm.mr.CudaMemoryResource:
             cupy.cuda.set_allocator(_allocate)  # CuPy's arrays into that resource too
-            _device_pools[device_id] = stats = current
+            _device_pools.items[device_id] = stats = current
         if stats is None:
             size = _align_up(size)
             with cupy.cuda.Device(device_id):
@@ -423,7 +421,7 @@ def _device_pool(device_id: int, size: int, resource: str) -> Any:
                 stats = rmm.mr.StatisticsResourceAdaptor(pool)
                 rmm.mr.set_per_device_resource(device_id, stats)
             cupy.cuda.set_allocator(_allocate)
-            _device_pools[device_id] = stats
+            _device_pools.items[device_id] = stats
         return stats
 
 
@@ -449,12 +447,12 @@ class CudaBackend:
         )
         self.pinned = PinnedPool(options.pinned_pool_size, self.device_id)
         self._names = itertools.count()
-        self.tracing = False
+        # Timing events around every copy and kernel, for pictures of the assembly line
+        # (benchmarks/timeline_cuda.py); off unless started.
+        self.trace = EventTrace(self._device)
         self._marks: list[Any] = []  # timing events resolved and free for reuse
         # id(array owning its memory) -> (weakref to it, whether it is pinned)
         self._pinned_roots: dict[int, tuple[weakref.ref, bool]] = {}
-        self._trace: list[tuple[str, str, Any, Any]] = []
-        self._trace_lock = threading.Lock()
         with self._device:
             # The reference that maps event times onto time.time() (see resolve).
             ref = cupy.cuda.Event()
@@ -556,7 +554,7 @@ class CudaBackend:
             # the copy-in has completed; func sees the same values in native order.
             host = host.astype(host.dtype.newbyteorder("="))
             stream.keep(host)
-        with self._span(stream, "h2d"):
+        with self.trace.span(stream, "h2d"):
             dev = stream.scratch(host.shape, host.dtype)
             if dev is None:
                 dev = cupy.empty(host.shape, host.dtype)  # from the RMM pool, on ``stream``
@@ -585,7 +583,7 @@ class CudaBackend:
     def compute(
         self, stream: CudaStream, func: Callable[..., Any], args: list, kwargs: dict
     ) -> Any:
-        with self._span(stream, "compute"):
+        with self.trace.span(stream, "compute"):
             # ``func`` may put work on the legacy default stream (a library that ignores
             # CuPy's current stream, a Numba kernel, ``with cupy.cuda.Stream.null``), which
             # our non-blocking streams do not wait for: the copy back (and every free after
@@ -600,7 +598,7 @@ class CudaBackend:
     def copy_out(self, stream: CudaStream, device: Any, out: np.ndarray) -> None:
         if out.nbytes == 0:
             return
-        with self._span(stream, "d2h"):
+        with self.trace.span(stream, "d2h"):
             # Enqueued on ``stream`` after the kernel, so it reads the finished result; a
             # temporary made here is freed stream-ordered by RMM.
             src = cupy.ascontiguousarray(device)
@@ -652,126 +650,14 @@ class CudaBackend:
         """What the usual code does, on the legacy default stream, one step at a time."""
         null = cupy.cuda.Stream.null
         with self._device, null:
-            with self._span(null, "h2d"):
+            with self.trace.span(null, "h2d"):
                 dev = [cupy.asarray(b) for b in blocks]
-            with self._span(null, "compute"):
+            with self.trace.span(null, "compute"):
                 out = func(*dev, **kwargs)
-            with self._span(null, "d2h"):
+            with self.trace.span(null, "d2h"):
                 return cupy.asnumpy(out) if isinstance(out, cupy.ndarray) else np.asarray(out)
-
-    # -- event timings, for pictures of the assembly line -------------------------------
-    def _span(self, stream: Any, stage: str) -> contextlib.AbstractContextManager[None]:
-        """Events around ``stage``'s copies when tracing (a shared null context otherwise:
-        this is called per copy)."""
-        return self._traced(stream, stage) if self.tracing else _UNTRACED
-
-    @contextlib.contextmanager
-    def _traced(self, stream: Any, stage: str) -> Iterator[None]:
-        cs = stream.cupy if isinstance(stream, CudaStream) else stream
-        name = stream.name if isinstance(stream, CudaStream) else "default"
-        start = cupy.cuda.Event()
-        start.record(cs)
-        try:
-            yield
-        finally:
-            end = cupy.cuda.Event()
-            end.record(cs)
-            with self._trace_lock:
-                self._trace.append((stage, name, start, end))
-
-    def start_trace(self) -> None:
-        """Record timing events around every copy and kernel from now on."""
-        with self._trace_lock:
-            self._trace = []
-        self.tracing = True
-
-    def stop_trace(self) -> list[dict[str, Any]]:
-        """Stop tracing; the spans seen, in seconds from the first one's start.
-
-        Returns
-        -------
-        list of dict
-            ``{"stage", "stream", "start", "end"}`` per copy or kernel.
-        """
-        self.tracing = False
-        with self._trace_lock:
-            spans, self._trace = self._trace, []
-        if not spans:
-            return []
-        with self._device:
-            for _, _, _, end in spans:
-                end.synchronize()
-            t0 = min(spans, key=lambda s: cupy.cuda.get_elapsed_time(spans[0][2], s[2]))[2]
-            return [
-                {
-                    "stage": stage,
-                    "stream": name,
-                    "start": cupy.cuda.get_elapsed_time(t0, start) / 1e3,
-                    "end": cupy.cuda.get_elapsed_time(t0, end) / 1e3,
-                }
-                for stage, name, start, end in spans
-            ]
 
     def close(self) -> None:
         # Blocks still held (outputs Dask keeps) return to RMM when collected; their
         # give-back closures keep the pinned pool alive until then.
         self.pinned.close()
-
-
-# -- the __main__ kernel trap ----------------------------------------------------------
-#
-# Dask pickles tasks even for the threaded scheduler. A ``func`` defined in ``__main__`` is
-# pickled by value, and with it any CuPy kernel it closes over. Unpickled in the same
-# process, that copy is a second Python object for the same compiled module; when it is
-# collected, its finalizer unloads a module the original still uses, and the original's
-# next launch fails with CUDA_ERROR_INVALID_HANDLE (``moduleUnload`` errors follow at exit).
-# In the same process the copy is pointless: pickle the kernel as a reference to the
-# original, and give the original back on unpickling.
-#
-# Seen on the H200 (CuPy 14.2, Dask 2026.8): ElementwiseKernel fails so; ReductionKernel and
-# RawKernel closed over the same way work (RawKernel pickles its source and recompiles), so
-# they keep their own pickling, which also lets them travel to other processes.
-
-_kernels: dict[int, Any] = {}
-_kernels_lock = threading.Lock()
-_guarded = False
-
-
-def _kernel_by_reference(pid: int, key: int) -> Any:
-    kernel = _kernels.get(key) if pid == os.getpid() else None
-    if kernel is None:
-        raise RuntimeError(
-            "a cupy.ElementwiseKernel that func closes over was sent to another process, "
-            "where it cannot be used: create the kernel inside func, or define it in an "
-            "importable module (not __main__) so that each process builds its own"
-        )
-    return kernel
-
-
-def _reduce_kernel(kernel: Any) -> tuple[Any, tuple[int, int]]:
-    with _kernels_lock:
-        # Held for the life of the process: a module-level kernel lives that long anyway,
-        # and the reference must resolve whenever the task is unpickled.
-        _kernels[id(kernel)] = kernel
-    return _kernel_by_reference, (os.getpid(), id(kernel))
-
-
-def guard_kernel_pickling() -> None:
-    """Make ``cupy.ElementwiseKernel`` objects pickle as in-process references (idempotent).
-
-    Called by :func:`dask_overlap.map_blocks` when CuPy is imported, before Dask pickles
-    the task, and by the cuda backend. See the comment above this function.
-
-    Examples
-    --------
-    >>> import pickle, cupy
-    >>> guard_kernel_pickling()
-    >>> k = cupy.ElementwiseKernel("T x", "T y", "y = x", "copy_k")
-    >>> pickle.loads(pickle.dumps(k)) is k
-    True
-    """
-    global _guarded
-    if _guarded:
-        return
-    copyreg.pickle(cupy.ElementwiseKernel, _reduce_kernel)
-    _guarded = True
