@@ -1,9 +1,10 @@
 """The ``dask overlap`` command (also ``dask-overlap`` and ``python -m dask_overlap``).
 
 ``dask overlap worker SCHEDULER_ADDRESS`` starts one worker process per local GPU, each
-with an :class:`~dask_overlap.OverlapPlugin`; ``dask overlap demo`` runs the demo. The
-flags for runtime options are made from the options' schema, so each option is defined
-and documented once, in ``overlap.yaml`` and ``overlap.schema.json``.
+with an :class:`~dask_overlap.OverlapPlugin` and, with ``overlap.cpu-affinity``, kept to
+its GPU's cores; ``dask overlap demo`` runs the demo. The flags for runtime options are
+made from the options' schema, so each option is defined and documented once, in
+``overlap.yaml`` and ``overlap.schema.json``.
 """
 
 from __future__ import annotations
@@ -43,27 +44,30 @@ def _schema() -> dict[str, Any]:
 
 
 def _option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
-    """One ``--flag`` per runtime option but ``timed``, typed and documented by the schema."""
+    """One ``--flag`` per runtime option but ``timed`` (``--key/--no-key`` for a boolean),
+    typed and documented by the schema."""
     schema = _schema()
     for field in reversed(dataclasses.fields(Options)):
         key = field.name.replace("_", "-")
         if key not in schema or schema[key].get("type") == "object":
             continue
         spec = schema[key]
+        default = dask.config.get(f"overlap.{key}")
+        help_text = f"{spec.get('description', '')} [default: overlap.{key} = {default}]"
+        if spec.get("type") == "boolean":
+            command = click.option(f"--{key}/--no-{key}", field.name, default=None, help=help_text)(
+                command
+            )
+            continue
         if "enum" in spec:
             kind: click.ParamType = click.Choice(spec["enum"])
         elif spec.get("type") == "integer":
             kind = click.IntRange(min=spec.get("minimum"))
         else:
             kind = click.STRING
-        default = dask.config.get(f"overlap.{key}")
-        command = click.option(
-            f"--{key}",
-            field.name,
-            type=kind,
-            default=None,
-            help=f"{spec.get('description', '')} [default: overlap.{key} = {default}]",
-        )(command)
+        command = click.option(f"--{key}", field.name, type=kind, default=None, help=help_text)(
+            command
+        )
     return command
 
 
@@ -224,7 +228,9 @@ async def _serve(
             scheduler,
             name=None if name is None else f"{name}-{i}",
             env=layout.env(i),
-            plugins=(plugin,),
+            # The CPU affinity first: it must be set before the runtime is built (see
+            # dask_overlap.affinity).
+            plugins=(*layout.plugins(i), plugin),
             **common,
         )
         for i in range(layout.n_workers)

@@ -1,10 +1,14 @@
 """One worker per GPU: :class:`LocalGPUCluster`, and the worker layout it shares with the CLI.
 
 Each worker is its own process with its own ``CUDA_VISIBLE_DEVICES``, rotated so that
-worker *i* sees GPU *i* first (as dask-cuda does), and carries an
-:class:`~dask_overlap.OverlapPlugin` that builds its runtime. GPUs are counted without
-initialising CUDA in this process: from ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``,
-else CuPy in a subprocess.
+worker *i* sees GPU *i* first (as dask-cuda does), kept to the cores near its GPU
+(:class:`~dask_overlap.affinity.CPUAffinity`, when ``overlap.cpu-affinity``), and carries
+an :class:`~dask_overlap.OverlapPlugin` that builds its runtime.
+
+GPUs are counted without initialising CUDA in this process: from ``CUDA_VISIBLE_DEVICES``
+when set, else through NVML (``nvidia-ml-py``, as distributed's GPU diagnostics and
+dask-cuda do). Without ``nvidia-ml-py``, or when NVML cannot start, as before it: the
+GPUs ``nvidia-smi -L`` lists, else CuPy's count in a subprocess.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from distributed import LocalCluster
+from distributed import LocalCluster, WorkerPlugin
 from distributed.protocol.pickle import dumps
 from distributed.worker_memory import parse_memory_limit
 
+from .affinity import CPUAffinity, gpu_cores
 from .config import Options, check_positive_int
 from .dashboard import OverlapSchedulerPlugin
 from .plugin import OverlapPlugin, resolve_options
@@ -47,9 +52,12 @@ logger = logging.getLogger(__name__)
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
 _NO_GPU = (
-    "no GPU is visible (CUDA_VISIBLE_DEVICES is {cvd}, and neither nvidia-smi nor CuPy "
-    "reports a device); pass allow_cpu=True (--allow-cpu) for CPU workers on the host "
-    "backend"
+    "no GPU is visible (CUDA_VISIBLE_DEVICES is {cvd}{probe}); pass allow_cpu=True "
+    "(--allow-cpu) for CPU workers on the host backend"
+)
+_NO_NVML = (
+    "nvidia-ml-py is not installed (pip install nvidia-ml-py, or dask_overlap[cuda13] / "
+    "[cuda12]: NVML counts GPUs as Dask's GPU diagnostics do)"
 )
 
 
@@ -79,11 +87,55 @@ def _parse_nvidia_smi(text: str) -> list[str]:
     return [m.group(1) for m in re.finditer(r"^GPU (\d+):", text, re.MULTILINE)]
 
 
+def _nvml_gpus() -> list[str] | str:
+    """Indices of the GPUs NVML reports, or why NVML could not say (not installed, or
+    no driver). MIG instances are not counted (their GPU is): name them in
+    CUDA_VISIBLE_DEVICES."""
+    try:
+        import pynvml
+    except ImportError:
+        return _NO_NVML
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        return f"NVML did not start ({e})"
+    try:
+        return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _probe_gpus() -> tuple[list[str], str]:
+    """The GPUs this machine shows, and what was asked, for an error that finds none."""
+    found = _nvml_gpus()
+    if not isinstance(found, str):
+        return found, "NVML reports no device"
+    asked = f"{found}, and neither nvidia-smi nor CuPy reports a device"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        return _parse_nvidia_smi(out), asked
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if importlib.util.find_spec("cupy") is None:
+        return [], asked
+    code = "import cupy; print(cupy.cuda.runtime.getDeviceCount())"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        ).stdout
+        return [str(i) for i in range(int(out.strip().splitlines()[-1]))], asked
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return [], asked
+
+
 def visible_gpus() -> list[str]:
     """Ids of the GPUs this machine shows, found without initialising CUDA here.
 
-    ``CUDA_VISIBLE_DEVICES`` when set, else the GPUs ``nvidia-smi -L`` lists, else the
-    count CuPy reports in a subprocess; ``[]`` when none of them finds a device.
+    ``CUDA_VISIBLE_DEVICES`` when set, else the GPUs NVML counts (``nvidia-ml-py``);
+    without it, the GPUs ``nvidia-smi -L`` lists, else the count CuPy reports in a
+    subprocess. ``[]`` when none of them finds a device.
 
     Examples
     --------
@@ -95,23 +147,13 @@ def visible_gpus() -> list[str]:
     """
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         return parse_devices(os.environ["CUDA_VISIBLE_DEVICES"])
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True
-        ).stdout
-        return _parse_nvidia_smi(out)
-    except (OSError, subprocess.SubprocessError):
-        pass
-    if importlib.util.find_spec("cupy") is None:
-        return []
-    code = "import cupy; print(cupy.cuda.runtime.getDeviceCount())"
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
-        ).stdout
-        return [str(i) for i in range(int(out.strip().splitlines()[-1]))]
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return []
+    return _probe_gpus()[0]
+
+
+def _no_gpu(cvd: str, asked: str | None) -> str:
+    """The error for no GPU: ``cvd`` says what CUDA_VISIBLE_DEVICES was, ``asked`` what
+    else was asked (``None``: nothing, the devices were given)."""
+    return _NO_GPU.format(cvd=cvd, probe="" if asked is None else f"; {asked}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +184,27 @@ class WorkerLayout:
         rotated = self.devices[k:] + self.devices[:k]
         # A device listed twice (two workers on one GPU) must not repeat in one list.
         return {"CUDA_VISIBLE_DEVICES": ",".join(dict.fromkeys(rotated))}
+
+    def plugins(self, i: int) -> list[WorkerPlugin]:
+        """Plugins worker ``i`` starts with, to set up before its runtime is built.
+
+        :class:`~dask_overlap.affinity.CPUAffinity` to the cores near its GPU when
+        ``options.cpu_affinity`` is on and NVML knows them; none on the CPU path, with
+        the option off, or without NVML (the affinity is then left as it is).
+
+        Examples
+        --------
+        >>> WorkerLayout(2, (), Options.from_config()).plugins(0)
+        []
+        """
+        if not self.devices or not self.options.cpu_affinity:
+            return []
+        device = self.devices[i % len(self.devices)]
+        cores = gpu_cores(device)
+        if cores is None:
+            logger.info("worker %d: CPU affinity left as it is (NVML: no cores for %s)", i, device)
+            return []
+        return [CPUAffinity(cores)]
 
 
 def plan_workers(
@@ -176,13 +239,16 @@ def plan_workers(
     options = resolve_options(options)
     if n_workers is not None:
         n_workers = check_positive_int("n_workers", n_workers)
-    if cuda_visible_devices is None:
-        devices = visible_gpus()
-        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-        cvd = "unset" if cvd is None else repr(cvd)
-    else:
+    asked = None
+    if cuda_visible_devices is not None:
         devices = parse_devices(cuda_visible_devices)
         cvd = f"given as {cuda_visible_devices!r}"
+    elif "CUDA_VISIBLE_DEVICES" in os.environ:
+        devices = parse_devices(os.environ["CUDA_VISIBLE_DEVICES"])
+        cvd = repr(os.environ["CUDA_VISIBLE_DEVICES"])
+    else:
+        devices, asked = _probe_gpus()
+        cvd = "unset"
     if devices:
         if options.backend == "auto":
             options = dataclasses.replace(options, backend="cuda")
@@ -193,9 +259,9 @@ def plan_workers(
             )
         return WorkerLayout(n_workers or len(devices), tuple(devices), options)
     if not allow_cpu:
-        raise RuntimeError(_NO_GPU.format(cvd=cvd))
+        raise RuntimeError(_no_gpu(cvd, asked))
     if options.backend == "cuda":
-        raise ValueError(f"backend='cuda' was asked for, but {_NO_GPU.format(cvd=cvd)}")
+        raise ValueError(f"backend='cuda' was asked for, but {_no_gpu(cvd, asked)}")
     if options.backend == "auto":
         options = dataclasses.replace(options, backend="host")
     return WorkerLayout(n_workers or CPU_WORKERS, (), options)
@@ -204,7 +270,9 @@ def plan_workers(
 class LocalGPUCluster(LocalCluster):
     """A :class:`distributed.LocalCluster` with one worker process per GPU, each with the plugin.
 
-    Worker *i* sees GPU *i* first in its ``CUDA_VISIBLE_DEVICES`` and runs
+    Worker *i* sees GPU *i* first in its ``CUDA_VISIBLE_DEVICES``, keeps to the cores near
+    it (``overlap.cpu-affinity``, ``cpu_affinity=False`` to leave the affinity alone; see
+    :mod:`dask_overlap.affinity`) and runs
     ``threads_per_worker`` partitions at once, all sharing its runtime (built by an
     :class:`~dask_overlap.OverlapPlugin` registered with the scheduler, so workers added
     later by ``scale`` get it too, and ``client.unregister_worker_plugin`` removes it).
@@ -300,4 +368,8 @@ class LocalGPUCluster(LocalCluster):
             i += 1
         options = dict(self.new_spec["options"])
         options["env"] = {**(options.get("env") or {}), **self.layout.env(i)}
+        # Plugins a worker starts with are set up before it registers, and so before the
+        # OverlapPlugin the scheduler hands it: the CPU affinity is set when the runtime
+        # counts its cores (see dask_overlap.affinity).
+        options["plugins"] = [*self.layout.plugins(i), *(options.get("plugins") or ())]
         return {i: {"cls": self.new_spec["cls"], "options": options}}

@@ -76,6 +76,15 @@ def _check_threads(name: str, value: Any) -> int | str:
     return int(value)
 
 
+def _check_bool(name: str, value: Any) -> bool:
+    # A string too: DASK_OVERLAP__CPU_AFFINITY=false reaches dask.config as "false".
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
 def _check_rate(name: str, value: Any) -> float:
     return float(check_bytes(name, value))
 
@@ -132,6 +141,7 @@ class Options:
     direct_bytes: int  # sub-chunks that move at most this much skip the ring
     device_pool_size: int
     device_memory_resource: str
+    cpu_affinity: bool  # GPU workers keep to their GPU's cores: see dask_overlap.affinity
     timed: TimedModel
 
     @classmethod
@@ -175,5 +185,6 @@ class Options:
             device_memory_resource=_check_choice(
                 "device_memory_resource", get("device_memory_resource"), DEVICE_MEMORY_RESOURCES
             ),
+            cpu_affinity=_check_bool("cpu_affinity", get("cpu_affinity")),
             timed=timed,
         )
