@@ -1,14 +1,19 @@
-"""The timed backend: the engine's overlap, measured as ratios of modelled engine times.
+"""The timed backend: the engine's overlap, from the stage spans each run records.
 
 Every copy and kernel takes at least its modelled time and the three engines are
-exclusive, so no run can beat its slowest engine. These tests assert ratios against
-that bound and against the naive path in the same process, never absolute times.
+exclusive, so no run can beat its slowest engine: that bound is asserted (a run on a
+loaded machine is only slower). How close a run comes to it, and how much faster than the
+naive path, is a measurement on a shared machine, not a test: ``python
+benchmarks/bench_overlap.py --backend timed`` reports both (``overlap_over_bound``, the naive
+seconds; results in ``benchmarks/results/bench-timed-*.json``). Here the overlap is asserted
+as counts and orderings of the recorded spans.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterable
 
 import dask
 import dask.array as da
@@ -17,6 +22,7 @@ import pytest
 from support import wait_until_idle
 
 import dask_overlap
+from dask_overlap.runtime import Span
 
 MB = 10**6
 RATE = 100 * MB  # H2D, D2H and the kernel: balanced, so no single stage dominates
@@ -69,7 +75,10 @@ def bound_seconds(rt, in_bytes: int, out_bytes: int) -> float:
     )
 
 
-def test_overlap_approaches_the_slowest_stage_and_beats_naive(timed):
+def test_the_model_holds_on_the_overlapped_and_the_naive_path(timed):
+    """Both paths give Dask's result and neither beats what the model allows; how close the
+    overlapped path comes to its bound, and how far the naive one stays, is
+    bench_overlap.py's to measure (see the module docstring)."""
     rt = timed
     assert rt.name == "timed"
     a, x = make_input()  # 16 MiB in 8 partitions; 0.17 s per engine at 100 MB/s
@@ -88,11 +97,16 @@ def test_overlap_approaches_the_slowest_stage_and_beats_naive(timed):
     # the same result, and the model holds: nothing beats its slowest engine
     np.testing.assert_array_equal(ours.compute(), theirs.compute())
     np.testing.assert_array_equal(ours.compute(), kernel(a))
-    assert overlap_s >= 0.95 * bound
-    # the makespan approaches the largest stage, not the sum of the stages
-    assert bound / overlap_s >= 0.6, (bound, overlap_s)
-    # the naive path does one step at a time, from pageable memory
-    assert naive_s / overlap_s > 1.5, (naive_s, overlap_s)
+    assert overlap_s >= 0.95 * bound, (bound, overlap_s)
+    # the naive path takes its turns on the legacy stream: one step at a time, from pageable
+    # memory, so no sooner than the sum of its round trips
+    m = rt.backend.model
+    round_trips = (
+        a.nbytes / m.pageable_h2d_bandwidth
+        + x.npartitions * m.kernel_time(a.nbytes // x.npartitions)
+        + a.nbytes / m.pageable_d2h_bandwidth
+    )
+    assert naive_s >= 0.95 * round_trips, (round_trips, naive_s)
     stats = wait_until_idle()
     assert stats["backend"] == "timed"
     assert stats["in_flight"] == 0
@@ -106,19 +120,46 @@ def test_backpressure_with_a_window_of_one(timed):
     stats = wait_until_idle()
     assert stats["sub_chunks"] == 32
     assert stats["max_window"] == 1
-    # the submitter waited on a full window for (about) every sub-chunk's round trip
+    # The submitter waited on a full window for every sub-chunk's round trip but the last's:
+    # each of those waits holds the sub-chunk's copy-in, so they add up to at least most of
+    # the copy-ins' busy time (a bound, not a timing: load stretches a copy-in and the wait
+    # that holds it alike).
     assert stats["backpressure_seconds"] > 0
     busy = stats["busy_seconds"]
     assert stats["backpressure_seconds"] >= 0.5 * busy.get("h2d", 0.0)
 
 
-def test_a_wider_window_overlaps_more(timed):
-    """One partition: with a window of 1 the stages run one after another."""
-    _, x = make_input(1024, 1024, 1024)  # 4 MiB: 0.04 s per engine
-    times = {}
+def in_flight_at_once(spans: Iterable[Span]) -> int:
+    """The most sub-chunks under way at one instant: each from the start of its first stage
+    to the end of its last, as its spans say."""
+    lives: dict[int, tuple[float, float]] = {}
+    for s in spans:
+        start, end = lives.get(s.sub_chunk, (s.start, s.end))
+        lives[s.sub_chunk] = (min(start, s.start), max(end, s.end))
+    # At one instant an end sorts before a start: lives that only touch do not overlap.
+    edges = sorted([(end, -1) for _, end in lives.values()] + [(st, 1) for st, _ in lives.values()])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.usefixtures("timed", "ring_only")
+def test_a_wider_window_overlaps_more():
+    """One partition of 32 sub-chunks, through the ring. A window of 1 runs them one after
+    another: each starts once the one before has ended. A window of 4 has four under way at
+    once. Both are orderings of the spans, whatever the machine's load: a sub-chunk's stage
+    span starts when the submitter hands it out, and its unstage span ends before the
+    submitter hears that it is done, which is when the window lets the next one in."""
+    _, x = make_input(1024, 1024, 1024)  # 4 MiB
     for window in (1, 4):
         y = dask_overlap.map_blocks(
             kernel, x, split_axis=0, sub_chunk_bytes="128KiB", in_flight=window
         )
-        times[window], _ = persist_seconds(y)
-    assert times[1] / times[4] > 1.5, times
+        dask.persist(y)
+        spans = [s for s in dask_overlap.get_runtime().timeline if s.key[0] == y.name]
+        assert {s.sub_chunk for s in spans} == set(range(32))
+        assert {s.stage for s in spans} == {"stage", "h2d", "compute", "d2h", "unstage"}
+        assert in_flight_at_once(spans) == window
+        assert wait_until_idle()["max_window"] == window
