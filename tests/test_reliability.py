@@ -1,13 +1,13 @@
 """Reliability (issue 6): faults, cancellation, worker loss, pool exhaustion and odd input.
 
 No hang (every wait is bounded), no leak (pools and windows end at zero), no wrong result
-(bit for bit against NumPy or ``dask.array.map_blocks``). Every case runs on the host
-backend, in CI; the cases marked ``gpu`` run on the cuda backend (``pytest -m gpu
+(bit for bit against NumPy or ``dask.array.map_blocks``). The cases run on the host
+backend, in CI, and those marked ``gpu`` on the cuda backend (``pytest -m gpu
 tests/test_reliability.py`` on the device; skipped where no GPU is visible). A case of both
 is parametrized by backend: on the GPU its partitions are megabytes and its copies tens of
 kilobytes, as a GPU sees them, and its functions are integer arithmetic or single
-correctly rounded operations, whose CuPy results equal NumPy's bit for bit. The README's
-"Reliability" table counts the cases of each kind here.
+correctly rounded operations, whose CuPy results equal NumPy's bit for bit. The cases
+only the GPU has come last. The README's "Reliability" table counts the cases of each kind.
 """
 
 from __future__ import annotations
