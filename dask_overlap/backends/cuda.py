@@ -165,6 +165,7 @@ class PinnedPool(HostPool):
     def __init__(self, limit: int, device_id: int):
         super().__init__(limit)
         self.device_id = device_id
+        self._device = cupy.cuda.Device(device_id)
         self.mr: Any = None
         self._stream: Any = None
         if self.limit > 0:
@@ -192,7 +193,7 @@ class PinnedPool(HostPool):
             raise MemoryError("the pinned pool has size 0")
         mr, stream = self.mr, self._stream
         try:
-            with cupy.cuda.Device(self.device_id):
+            with self._device:
                 ptr = mr.allocate(nbytes, stream)
         except Exception as e:  # out of pool (or fragmented): the caller falls back
             raise MemoryError(f"pinned pool could not serve {nbytes} bytes: {e}") from e
