@@ -10,7 +10,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from conftest import wait_until_idle
+from support import wait_until_idle
 
 import dask_overlap
 from dask_overlap.engine import Pipeline
