@@ -8,11 +8,11 @@ ordering rule of the assembly line lives here, so the tests can drive it directl
 
 Each sub-chunk goes through the stages, in this order::
 
-    STAGE   (host copy of pageable input into the pinned ring; only when needed)
-    H2D     (copy to the device)          \\
-    COMPUTE (the user's function)          > issued together, on one in-order stream
-    D2H     (copy into the pinned ring)   /
-    UNSTAGE (host copy out of the ring into the result; only when needed)
+    STAGING   (host copy of pageable input into the pinned ring; only when needed)
+    H2D       (copy to the device)          \\
+    COMPUTE   (the user's function)          > issued together, on one in-order stream
+    D2H       (copy into the pinned ring)   /
+    UNSTAGING (host copy out of the ring into the result; only when needed)
 
 H2D, COMPUTE and D2H go to one in-order stream, so they are issued together as soon as
 the sub-chunk is staged: the device never waits for the submitter between them. Their
@@ -46,11 +46,11 @@ __all__ = [
 
 
 class Stage(enum.IntEnum):
-    STAGE = 0
+    STAGING = 0
     H2D = 1
     COMPUTE = 2
     D2H = 3
-    UNSTAGE = 4
+    UNSTAGING = 4
 
 
 #: The stages issued together on one stream once a sub-chunk is staged.
@@ -155,10 +155,10 @@ class Pipeline:
     in_flight
         The window: at most this many sub-chunks are admitted and not yet finished.
     staged
-        Whether sub-chunks start with :attr:`Stage.STAGE` (pageable input) or go
+        Whether sub-chunks start with :attr:`Stage.STAGING` (pageable input) or go
         straight to the device stages. A sequence gives the choice per sub-chunk.
     unstaged
-        Whether sub-chunks end with :attr:`Stage.UNSTAGE` after their D2H (the output
+        Whether sub-chunks end with :attr:`Stage.UNSTAGING` after their D2H (the output
         lands in the pinned ring and is then copied into the result).
     admit
         ``admit(i)`` says whether sub-chunk ``i`` may be admitted now (the runner's
@@ -259,12 +259,12 @@ class Pipeline:
             # start nothing new, not even this sub-chunk's next stage.
             del self._waiting[i]
             return []
-        if event.stage == Stage.STAGE:
+        if event.stage == Stage.STAGING:
             self._waiting[i] = Stage.D2H
             return [Action(s, i) for s in DEVICE_STAGES]
         if event.stage == Stage.D2H and self._unstaged[i]:
-            self._waiting[i] = Stage.UNSTAGE
-            return [Action(Stage.UNSTAGE, i)]
+            self._waiting[i] = Stage.UNSTAGING
+            return [Action(Stage.UNSTAGING, i)]
         del self._waiting[i]
         self.completed += 1
         return self._admit()
@@ -279,8 +279,8 @@ class Pipeline:
                 break
             self._next_admit += 1
             if self._staged[i]:
-                self._waiting[i] = Stage.STAGE
-                actions.append(Action(Stage.STAGE, i))
+                self._waiting[i] = Stage.STAGING
+                actions.append(Action(Stage.STAGING, i))
             else:
                 self._waiting[i] = Stage.D2H
                 actions.extend(Action(s, i) for s in DEVICE_STAGES)

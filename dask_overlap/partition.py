@@ -382,7 +382,7 @@ class _LeanRun(_PartitionRun):
                 self.pool.wait_for_room(self.admission.waiting_for, _RING_POLL_SECONDS)
                 meter.backpressure += time.perf_counter() - t0
             if any(sub.to_stage):
-                self._copy_now(sub, Stage.STAGE, self._stage_copies(0), self.backend.stage)
+                self._copy_now(sub, Stage.STAGING, self._stage_copies(0), self.backend.stage)
             stream = sub.stream = rt.acquire_stream()
             self.used_streams[id(stream)] = stream
             try:
@@ -391,7 +391,9 @@ class _LeanRun(_PartitionRun):
                 rt.release_stream(stream)
             self._resolve_marks(sub)
             if sub.ring_out is not None:
-                self._copy_now(sub, Stage.UNSTAGE, [(sub.ring_out, sub.dest)], self.backend.unstage)
+                self._copy_now(
+                    sub, Stage.UNSTAGING, [(sub.ring_out, sub.dest)], self.backend.unstage
+                )
                 self.tally["bytes_unstaged"] += sub.ring_out.nbytes
             self.tally["bytes_h2d"] += sub.h2d_bytes
             self.tally["bytes_d2h"] += sub.d2h_bytes
@@ -495,11 +497,11 @@ class _EngineRun(_PartitionRun):
             if a.index in self.failed:
                 continue  # an earlier stage of it failed; the engine has its Failed event
             try:
-                if a.stage == Stage.STAGE:
+                if a.stage == Stage.STAGING:
                     self._stage(a.index)
                 elif a.stage == Stage.H2D:
                     self._device(a.index)
-                elif a.stage == Stage.UNSTAGE:
+                elif a.stage == Stage.UNSTAGING:
                     self._unstage(a.index)
             except Exception as e:
                 self.failed.add(a.index)
@@ -517,14 +519,14 @@ class _EngineRun(_PartitionRun):
             self._off_device(sub)
             if self.spec.out == "device":
                 self._record(i)
-        elif event.stage == Stage.UNSTAGE:
+        elif event.stage == Stage.UNSTAGING:
             if sub.ring_out is not None:
                 self.tally["bytes_unstaged"] += sub.ring_out.nbytes
             self._record(i)
 
     def _stage(self, i: int) -> None:
         """Copy sub-chunk ``i``'s pageable inputs into its ring room, in parallel pieces."""
-        self._host_copy(i, Stage.STAGE, self._stage_copies(i), self.backend.stage)
+        self._host_copy(i, Stage.STAGING, self._stage_copies(i), self.backend.stage)
 
     def _device(self, i: int) -> None:
         """H2D, COMPUTE and D2H of sub-chunk ``i``, enqueued together on one stream; its
@@ -551,6 +553,6 @@ class _EngineRun(_PartitionRun):
         """Copy sub-chunk ``i``'s result out of the ring into the partition's result."""
         sub = self.subs[i]
         if sub.ring_out is None:  # it went straight into the result
-            self._post(Done(Stage.UNSTAGE, i))
+            self._post(Done(Stage.UNSTAGING, i))
             return
-        self._host_copy(i, Stage.UNSTAGE, [(sub.ring_out, sub.dest)], self.backend.unstage)
+        self._host_copy(i, Stage.UNSTAGING, [(sub.ring_out, sub.dest)], self.backend.unstage)

@@ -33,7 +33,7 @@ from .stats import Counters
 __all__ = ["Runtime", "Span", "close_runtimes", "idle_stats", "process_runtime", "process_runtimes"]
 
 TIMELINE_LENGTH = 20_000
-HOST_STAGES = ("stage", "unstage")  # run by the copy threads, not on a stream
+HOST_STAGES = ("staging", "unstaging")  # run by the copy threads, not on a stream
 CLOSE_DRAIN_SECONDS = 30.0  # how long close() waits for partitions still running
 
 

@@ -155,7 +155,7 @@ def stage_orders(delivered: list[tuple[int, Stage]]) -> dict[int, list[Stage]]:
 
 
 def expected_stages(staged: bool, unstaged: bool) -> list[Stage]:
-    return [Stage.STAGE] * staged + [Stage.D2H] + [Stage.UNSTAGE] * unstaged
+    return [Stage.STAGING] * staged + [Stage.D2H] + [Stage.UNSTAGING] * unstaged
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 40])
@@ -178,22 +178,22 @@ def test_window_is_never_exceeded_and_is_reached(n, window, staged, unstaged):
         for i, stages in per.items():
             assert stages == expected_stages(s_flags[i], u_flags[i])
         # sub-chunks are admitted in index order
-        firsts = dict.fromkeys(a.index for a in issued if a.stage in (Stage.STAGE, Stage.H2D))
+        firsts = dict.fromkeys(a.index for a in issued if a.stage in (Stage.STAGING, Stage.H2D))
         assert list(firsts) == list(range(n))
 
 
 def test_start_fills_the_window_and_blocks():
     pipe = Pipeline(5, in_flight=2, staged=True, unstaged=True)
     assert not pipe.done and not pipe.blocked
-    assert pipe.start() == [Action(Stage.STAGE, 0), Action(Stage.STAGE, 1)]
+    assert pipe.start() == [Action(Stage.STAGING, 0), Action(Stage.STAGING, 1)]
     assert pipe.in_flight == 2 and pipe.pending == 3
     assert pipe.window_full and pipe.blocked
     # intermediate stages only move a sub-chunk along; they never admit another
-    assert pipe.handle(Done(Stage.STAGE, 1)) == [Action(s, 1) for s in DEVICE]
-    assert pipe.handle(Done(Stage.D2H, 1)) == [Action(Stage.UNSTAGE, 1)]
+    assert pipe.handle(Done(Stage.STAGING, 1)) == [Action(s, 1) for s in DEVICE]
+    assert pipe.handle(Done(Stage.D2H, 1)) == [Action(Stage.UNSTAGING, 1)]
     assert pipe.blocked
     # the last stage completing frees a slot: exactly one sub-chunk is admitted
-    assert pipe.handle(Done(Stage.UNSTAGE, 1)) == [Action(Stage.STAGE, 2)]
+    assert pipe.handle(Done(Stage.UNSTAGING, 1)) == [Action(Stage.STAGING, 2)]
     assert pipe.blocked and pipe.in_flight == 2 and pipe.pending == 2
 
 
@@ -207,9 +207,9 @@ def test_not_blocked_when_nothing_is_pending():
 def test_large_window_admits_everything_at_once():
     pipe = Pipeline(3, in_flight=10, staged=[True, False, True])
     assert pipe.start() == [
-        Action(Stage.STAGE, 0),
+        Action(Stage.STAGING, 0),
         *[Action(s, 1) for s in DEVICE],
-        Action(Stage.STAGE, 2),
+        Action(Stage.STAGING, 2),
     ]
     assert not pipe.window_full and not pipe.blocked and pipe.pending == 0
 
@@ -280,7 +280,7 @@ def test_admission_is_asked_in_index_order_once_per_admitted_sub_chunk():
     outstanding: dict[int, Stage] = {}
     while not pipe.done:
         for a in actions:
-            if a.stage in (Stage.STAGE, Stage.H2D) and a.index not in admitted:
+            if a.stage in (Stage.STAGING, Stage.H2D) and a.index not in admitted:
                 admitted.append(a.index)
             if a.stage not in (Stage.H2D, Stage.COMPUTE):
                 outstanding[a.index] = a.stage
@@ -312,13 +312,13 @@ def test_failure_drains_without_new_actions(stage, index):
         # the failed sub-chunk never reported the failing stage (or any after it)
         per = stage_orders(delivered)
         reported = per.get(index, [])
-        assert stage not in reported and Stage.UNSTAGE not in reported
+        assert stage not in reported and Stage.UNSTAGING not in reported
         # nothing was admitted after the failure (drive() checks that no action at all was
         # issued), and only what finished before it counts as completed
         admitted = {a.index for a in issued}
         assert index in admitted
         assert len(admitted) <= pipe.completed + pipe.window
-        finished = [i for i, st in delivered[:failed_at] if st == Stage.UNSTAGE]
+        finished = [i for i, st in delivered[:failed_at] if st == Stage.UNSTAGING]
         assert pipe.completed == len(finished)
 
 
@@ -326,15 +326,15 @@ def test_failure_then_in_flight_retire_then_done():
     pipe = Pipeline(6, in_flight=3, staged=True)
     pipe.start()  # STAGE 0, 1, 2
     err = ValueError("bad sub-chunk")
-    assert pipe.handle(Failed(Stage.STAGE, 1, err)) == []
+    assert pipe.handle(Failed(Stage.STAGING, 1, err)) == []
     assert pipe.error is err
     assert pipe.pending == 0 and not pipe.blocked
     assert not pipe.done  # 0 and 2 still in flight
     assert pipe.in_flight == 2
     # what was started may finish its current stage, but nothing further is issued
-    assert pipe.handle(Done(Stage.STAGE, 0)) == []
+    assert pipe.handle(Done(Stage.STAGING, 0)) == []
     assert not pipe.done
-    assert pipe.handle(Failed(Stage.STAGE, 2, KeyError("second"))) == []
+    assert pipe.handle(Failed(Stage.STAGING, 2, KeyError("second"))) == []
     assert pipe.done
     assert pipe.error is err  # the first error wins
     assert pipe.failed == 2 and pipe.completed == 0
@@ -345,7 +345,7 @@ def test_failure_then_in_flight_retire_then_done():
 def test_failure_of_the_last_in_flight_is_done_at_once():
     pipe = Pipeline(1, in_flight=1, staged=True)
     pipe.start()
-    pipe.handle(Done(Stage.STAGE, 0))
+    pipe.handle(Done(Stage.STAGING, 0))
     assert pipe.handle(Failed(Stage.COMPUTE, 0, RuntimeError("x"))) == []
     assert pipe.done and pipe.in_flight == 0
 
@@ -368,12 +368,12 @@ def test_event_before_start_is_an_error():
     "event",
     [
         Done(Stage.COMPUTE, 0),  # reported with the D2H, never alone
-        Done(Stage.STAGE, 0),  # not a staged pipeline
-        Done(Stage.UNSTAGE, 0),  # not copied out yet (and not unstaged)
+        Done(Stage.STAGING, 0),  # not a staged pipeline
+        Done(Stage.UNSTAGING, 0),  # not copied out yet (and not unstaged)
         Done(Stage.D2H, 2),  # not admitted yet
         Done(Stage.D2H, 99),  # no such sub-chunk
-        Failed(Stage.STAGE, 0, RuntimeError("x")),  # fails a stage it is not in
-        Failed(Stage.UNSTAGE, 0, RuntimeError("x")),
+        Failed(Stage.STAGING, 0, RuntimeError("x")),  # fails a stage it is not in
+        Failed(Stage.UNSTAGING, 0, RuntimeError("x")),
     ],
 )
 def test_unexpected_event_is_an_error(event):
@@ -387,18 +387,18 @@ def test_event_after_completion_is_an_error():
     pipe = Pipeline(1, in_flight=1, staged=False, unstaged=True)
     pipe.start()
     pipe.handle(Done(Stage.D2H, 0))
-    pipe.handle(Done(Stage.UNSTAGE, 0))
+    pipe.handle(Done(Stage.UNSTAGING, 0))
     assert pipe.done and pipe.completed == 1
     with pytest.raises(EngineError, match="waits for nothing"):
-        pipe.handle(Done(Stage.UNSTAGE, 0))
+        pipe.handle(Done(Stage.UNSTAGING, 0))
 
 
 def test_repeated_event_is_an_error():
     pipe = Pipeline(2, in_flight=2, staged=True)
     pipe.start()
-    pipe.handle(Done(Stage.STAGE, 0))
+    pipe.handle(Done(Stage.STAGING, 0))
     with pytest.raises(EngineError, match="waits for D2H"):
-        pipe.handle(Done(Stage.STAGE, 0))
+        pipe.handle(Done(Stage.STAGING, 0))
 
 
 @pytest.mark.parametrize(

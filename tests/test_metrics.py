@@ -53,7 +53,7 @@ def test_task_meter_totals_and_units() -> None:
     m.waited("h2d", 0.25, for_room=False)
     m.waited(metrics_stage("D2H"), 0.5, for_room=False)
     m.waited("h2d", 1.0, for_room=True)  # a full window: backpressure, not a stage
-    m.spans([("stage", 0.0, 1.0, 10), ("h2d", 1.0, 3.0, 10), ("compute", 3.0, 4.0, 10)])
+    m.spans([("staging", 0.0, 1.0, 10), ("h2d", 1.0, 3.0, 10), ("compute", 3.0, 4.0, 10)])
     m.spans([("d2h", 4.0, 4.5, 8)])
     m.fallback(2)
     m.fallback(0)

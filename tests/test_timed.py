@@ -160,6 +160,6 @@ def test_a_wider_window_overlaps_more():
         dask.persist(y)
         spans = [s for s in dask_overlap.get_runtime().timeline if s.key[0] == y.name]
         assert {s.sub_chunk for s in spans} == set(range(32))
-        assert {s.stage for s in spans} == {"stage", "h2d", "compute", "d2h", "unstage"}
+        assert {s.stage for s in spans} == {"staging", "h2d", "compute", "d2h", "unstaging"}
         assert in_flight_at_once(spans) == window
         assert wait_until_idle()["max_window"] == window

@@ -1,8 +1,9 @@
 """The pipeline's stages as every outlet names and colours them.
 
-The runtime's timeline writes a stage as ``stage``, ``h2d``, ``compute``, ``d2h`` or
-``unstage``; the fine performance metrics label it ``overlap-<label>``, the dashboard
-shows it under its display name, and the dashboard and NVTX ranges draw it in one colour.
+The runtime's timeline writes a stage as ``staging``, ``h2d``, ``compute``, ``d2h`` or
+``unstaging`` (the engine's stage names, lower case); the fine performance metrics label
+it ``overlap-<stage>``, the dashboard shows it under its display name, and the dashboard
+and NVTX ranges draw it in one colour.
 """
 
 from __future__ import annotations
@@ -10,29 +11,22 @@ from __future__ import annotations
 __all__ = ["COLORS", "DISPLAY_NAMES", "OTHER_COLOR", "STAGES", "argb", "label"]
 
 #: Stage names as the runtime's timeline writes them, in pipeline order.
-STAGES = ("stage", "h2d", "compute", "d2h", "unstage")
-_LABELS = {
-    "stage": "staging",
-    "h2d": "h2d",
-    "compute": "compute",
-    "d2h": "d2h",
-    "unstage": "unstaging",
-}
+STAGES = ("staging", "h2d", "compute", "d2h", "unstaging")
 #: What the dashboard calls each stage.
 DISPLAY_NAMES = {
-    "stage": "staging",
+    "staging": "staging",
     "h2d": "H2D",
     "compute": "kernel",
     "d2h": "D2H",
-    "unstage": "unstaging",
+    "unstaging": "unstaging",
 }
 #: ``#rrggbb`` of each stage (the copy threads' stages in grey and brown).
 COLORS = {
-    "stage": "#bdbdbd",
+    "staging": "#bdbdbd",
     "h2d": "#1f77b4",
     "compute": "#2ca02c",
     "d2h": "#ff7f0e",
-    "unstage": "#8c564b",
+    "unstaging": "#8c564b",
 }
 #: The colour of anything that is not a known stage.
 OTHER_COLOR = "#7f7f7f"
@@ -43,10 +37,10 @@ def label(stage: str) -> str:
 
     Examples
     --------
-    >>> label("h2d"), label("stage")
+    >>> label("h2d"), label("staging")
     ('overlap-h2d', 'overlap-staging')
     """
-    return f"overlap-{_LABELS.get(stage, stage)}"
+    return f"overlap-{stage}"
 
 
 def argb(stage: str | None) -> int:
