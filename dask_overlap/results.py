@@ -42,10 +42,14 @@ def check_declared(
     where: str,
 ) -> None:
     """The output block must be what the dask array says it is, or Dask's array lies."""
-    dtype_ok = want_dtype is None or np.dtype(dtype) == np.dtype(want_dtype)
-    shape_ok = want_shape is None or (
-        len(shape) == len(want_shape)
-        and all(w is None or w == g for w, g in zip(want_shape, shape, strict=True))
+    dtype_ok = want_dtype is None or dtype == want_dtype or np.dtype(dtype) == np.dtype(want_dtype)
+    shape_ok = (
+        want_shape is None
+        or tuple(shape) == want_shape  # the usual case: every extent known, and equal
+        or (
+            len(shape) == len(want_shape)
+            and all(w is None or w == g for w, g in zip(want_shape, shape, strict=True))
+        )
     )
     if dtype_ok and shape_ok:
         return
