@@ -3,7 +3,9 @@
 Each worker is its own process with its own ``CUDA_VISIBLE_DEVICES``, rotated so that
 worker *i* sees GPU *i* first (as dask-cuda does), kept to the cores near its GPU
 (:class:`~dask_overlap.affinity.CPUAffinity`, when ``overlap.cpu-affinity``), and carries
-an :class:`~dask_overlap.OverlapPlugin` that builds its runtime.
+an :class:`~dask_overlap.OverlapPlugin` that builds its runtime. Workers talk over
+``protocol`` (``tcp`` by default; ``ucxx`` for UCX, with the transports
+:mod:`dask_overlap.ucx` sets).
 
 GPUs are counted without initialising CUDA in this process: from ``CUDA_VISIBLE_DEVICES``
 when set, else through NVML (``nvidia-ml-py``, as distributed's GPU diagnostics and
@@ -20,9 +22,11 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import dask.config
 from distributed import LocalCluster, WorkerPlugin
 from distributed.protocol.pickle import dumps
 from distributed.worker_memory import parse_memory_limit
@@ -31,6 +35,7 @@ from .affinity import CPUAffinity, gpu_cores
 from .config import Options, check_positive_int
 from .dashboard import OverlapSchedulerPlugin
 from .plugin import OverlapPlugin, resolve_options
+from .ucx import UCXSettings, check_protocol, is_ucx, require_ucx, scheme_of, ucx_settings
 
 __all__ = [
     "CPU_WORKERS",
@@ -158,17 +163,23 @@ def _no_gpu(cvd: str, asked: str | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerLayout:
-    """How many workers to start, which GPUs each sees, and the options of their plugin.
+    """How many workers to start, which GPUs each sees, the options of their plugin, and
+    the protocol they talk over.
 
-    Built by :func:`plan_workers`. ``devices`` is empty for a CPU-path layout.
+    Built by :func:`plan_workers`. ``devices`` is empty for a CPU-path layout;
+    ``protocol`` is ``None`` for distributed's default; ``ucx`` holds UCX's transports
+    when the protocol is UCX.
     """
 
     n_workers: int
     devices: tuple[str, ...]
     options: Options
+    protocol: str | None = None
+    ucx: UCXSettings | None = None
 
     def env(self, i: int) -> dict[str, str]:
-        """Environment of worker ``i``: its GPU first, then the others in turn.
+        """Environment of worker ``i``: its GPU first, then the others in turn; with UCX,
+        its transports (``UCX_TLS``, see :mod:`dask_overlap.ucx`).
 
         Workers beyond the number of GPUs share them in turn (``i`` modulo the count).
 
@@ -178,12 +189,25 @@ class WorkerLayout:
         >>> layout.env(1)
         {'CUDA_VISIBLE_DEVICES': '1,2,0'}
         """
+        env = {} if self.ucx is None else self.ucx.env()
         if not self.devices:
-            return {}
+            return env
         k = i % len(self.devices)
         rotated = self.devices[k:] + self.devices[:k]
         # A device listed twice (two workers on one GPU) must not repeat in one list.
-        return {"CUDA_VISIBLE_DEVICES": ",".join(dict.fromkeys(rotated))}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(dict.fromkeys(rotated)), **env}
+
+    def worker_config(self) -> dict[str, Any]:
+        """``dask.config`` settings each worker process starts with (UCX's, or none)."""
+        return {} if self.ucx is None else self.ucx.worker_config()
+
+    @contextmanager
+    def comm_config(self) -> Iterator[None]:
+        """Hold UCX's settings in this process's ``dask.config`` while the scheduler, a
+        client or nannies start here (UCX starts once per process, with the first); a
+        no-op for other protocols."""
+        with dask.config.set(self.ucx.config() if self.ucx is not None else {}):
+            yield
 
     def plugins(self, i: int) -> list[WorkerPlugin]:
         """Plugins worker ``i`` starts with, to set up before its runtime is built.
@@ -213,6 +237,7 @@ def plan_workers(
     cuda_visible_devices: str | Sequence[str | int] | None = None,
     allow_cpu: bool = False,
     options: Options | None = None,
+    protocol: str | None = None,
 ) -> WorkerLayout:
     """Decide the workers of this machine: one per GPU, or CPU workers when allowed.
 
@@ -229,6 +254,10 @@ def plan_workers(
     options
         Options of the workers' plugin. With GPUs, ``backend="auto"`` becomes ``"cuda"``;
         on the CPU path it becomes ``"host"``.
+    protocol
+        What the workers talk over (see :mod:`dask_overlap.ucx`), checked first: a
+        protocol no worker process can use raises ValueError, and UCX without
+        ``distributed-ucxx`` an ImportError that says what to install.
 
     Examples
     --------
@@ -236,6 +265,9 @@ def plan_workers(
     >>> layout.n_workers, layout.options.backend
     (2, 'host')
     """
+    protocol = check_protocol(protocol)
+    if is_ucx(protocol):
+        require_ucx(f"protocol={protocol!r}")
     options = resolve_options(options)
     if n_workers is not None:
         n_workers = check_positive_int("n_workers", n_workers)
@@ -257,14 +289,16 @@ def plan_workers(
                 f"found {len(devices)} GPU(s) but CuPy is not installed: "
                 "pip install 'dask_overlap[cuda13]' (or [cuda12])"
             )
-        return WorkerLayout(n_workers or len(devices), tuple(devices), options)
+        ucx = ucx_settings(gpu=True) if is_ucx(protocol) else None
+        return WorkerLayout(n_workers or len(devices), tuple(devices), options, protocol, ucx)
     if not allow_cpu:
         raise RuntimeError(_no_gpu(cvd, asked))
     if options.backend == "cuda":
         raise ValueError(f"backend='cuda' was asked for, but {_no_gpu(cvd, asked)}")
     if options.backend == "auto":
         options = dataclasses.replace(options, backend="host")
-    return WorkerLayout(n_workers or CPU_WORKERS, (), options)
+    ucx = ucx_settings(gpu=False) if is_ucx(protocol) else None
+    return WorkerLayout(n_workers or CPU_WORKERS, (), options, protocol, ucx)
 
 
 class LocalGPUCluster(LocalCluster):
@@ -294,6 +328,12 @@ class LocalGPUCluster(LocalCluster):
         Options of the workers' runtimes; ``Options.from_config()`` when omitted.
     memory_limit
         Per worker; ``"auto"`` shares this machine's memory among the workers.
+    protocol
+        What the scheduler, the workers and clients talk over: ``"tcp"`` (distributed's
+        default), ``"ucxx"`` (or ``"ucx"``) for UCX, which needs the ``ucx-cuda13`` or
+        ``ucx-cuda12`` extra (``distributed-ucxx``) and sets UCX's transports as
+        :mod:`dask_overlap.ucx` says, or ``"tls"``, ``"ws"``, ``"wss"``. Checked before
+        anything starts.
     **kwargs
         Option overrides (the fields of :class:`~dask_overlap.Options`, e.g.
         ``in_flight=2``), then anything :class:`distributed.LocalCluster` accepts.
@@ -315,6 +355,7 @@ class LocalGPUCluster(LocalCluster):
         allow_cpu: bool = False,
         options: Options | None = None,
         memory_limit: str | float | int | None = "auto",
+        protocol: str | None = None,
         **kwargs: Any,
     ):
         if "processes" in kwargs and not kwargs.pop("processes"):
@@ -325,6 +366,8 @@ class LocalGPUCluster(LocalCluster):
             cuda_visible_devices=cuda_visible_devices,
             allow_cpu=allow_cpu,
             options=resolve_options(options, **overrides),
+            # As LocalCluster does, a host given as an address brings its scheme.
+            protocol=protocol if protocol is not None else scheme_of(kwargs.get("host")),
         )
         # Registered with the scheduler once it starts (see _start), as a client's
         # register_plugin would: every worker, including those added later by scale, gets
@@ -345,6 +388,7 @@ class LocalGPUCluster(LocalCluster):
             processes=True,
             memory_limit=memory_limit,
             scheduler_kwargs=scheduler_kwargs,
+            protocol=self.layout.protocol,
             **kwargs,
         )
         self.scale(self.layout.n_workers)
@@ -356,7 +400,10 @@ class LocalGPUCluster(LocalCluster):
                 raise
 
     async def _start(self) -> None:
-        await super()._start()
+        # The scheduler starts here, and with it UCX in this process (when it is the
+        # protocol): with the transports the workers get.
+        with self.layout.comm_config():
+            await super()._start()
         await self.scheduler_comm.register_worker_plugin(
             plugin=dumps(self.plugin), name=self.plugin.name, idempotent=False
         )
@@ -368,6 +415,7 @@ class LocalGPUCluster(LocalCluster):
             i += 1
         options = dict(self.new_spec["options"])
         options["env"] = {**(options.get("env") or {}), **self.layout.env(i)}
+        options["config"] = {**(options.get("config") or {}), **self.layout.worker_config()}
         # Plugins a worker starts with are set up before it registers, and so before the
         # OverlapPlugin the scheduler hands it: the CPU affinity is set when the runtime
         # counts its cores (see dask_overlap.affinity).
