@@ -2,9 +2,10 @@
 
 ``dask overlap worker SCHEDULER_ADDRESS`` starts one worker process per local GPU, each
 with an :class:`~dask_overlap.OverlapPlugin` and, with ``overlap.cpu-affinity``, kept to
-its GPU's cores; ``dask overlap demo`` runs the demo. The flags for runtime options are
-made from the options' schema, so each option is defined and documented once, in
-``overlap.yaml`` and ``overlap.schema.json``.
+its GPU's cores, talking over ``--protocol`` (or the scheme of the scheduler's address,
+e.g. ``ucxx://``; see :mod:`dask_overlap.ucx`); ``dask overlap demo`` runs the demo.
+The flags for runtime options are made from the options' schema, so each option is
+defined and documented once, in ``overlap.yaml`` and ``overlap.schema.json``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from .cluster import THREADS_PER_WORKER, WorkerLayout, plan_workers
 from .config import Options
 from .dashboard import register_with_scheduler
 from .plugin import OverlapPlugin, resolve_options
+from .ucx import check_protocol, protocols, scheme_of
 
-__all__ = ["main", "options_from_params"]
+__all__ = ["main", "options_from_params", "worker_protocol"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,37 @@ def _option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
             command
         )
     return command
+
+
+def _scheduler_file_address(path: str | None) -> str | None:
+    """The address in a scheduler file that exists already (``None`` otherwise: the
+    nannies wait for it, and take the scheme from it then)."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f).get("address")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def worker_protocol(
+    protocol: str | None, scheduler: str | None, scheduler_file: str | None
+) -> str | None:
+    """The protocol the workers will talk over, checked: ``--protocol``, else the scheme of
+    the scheduler's address (as distributed picks it), else ``None`` (``tcp``).
+
+    Examples
+    --------
+    >>> worker_protocol(None, "ucxx://10.0.0.1:8786", None)
+    'ucxx'
+    >>> worker_protocol("tcp", "ucxx://10.0.0.1:8786", None)
+    'tcp'
+    """
+    scheme = check_protocol(scheme_of(scheduler), name="the scheme of SCHEDULER_ADDRESS")
+    if scheme is None:
+        scheme = scheme_of(_scheduler_file_address(scheduler_file))
+    return check_protocol(protocol, name="--protocol") or scheme
 
 
 def options_from_params(**params: Any) -> Options:
@@ -137,6 +170,12 @@ def main() -> None:
     help="Memory per worker, e.g. 32GiB, or a fraction of this machine's; 'auto' shares "
     "this machine's memory among the workers.",
 )
+@click.option(
+    "--protocol",
+    help=f"What the workers talk over: {', '.join(protocols())} [default: the scheme of "
+    "SCHEDULER_ADDRESS, else tcp]. ucxx (UCX) needs dask_overlap[ucx-cuda13] or "
+    "[ucx-cuda12].",
+)
 @click.option("--name", help="Name prefix: worker i is named NAME-i [default: its address].")
 @click.option("--host", help="Address the workers listen on [default: this host's].")
 @click.option("--interface", help="Network interface the workers listen on, e.g. ib0.")
@@ -169,6 +208,7 @@ def worker(
     cuda_visible_devices: str | None,
     allow_cpu: bool,
     memory_limit: str,
+    protocol: str | None,
     name: str | None,
     host: str | None,
     interface: str | None,
@@ -191,14 +231,16 @@ def worker(
             cuda_visible_devices=cuda_visible_devices,
             allow_cpu=allow_cpu,
             options=options_from_params(**option_flags),
+            protocol=worker_protocol(protocol, scheduler, scheduler_file),
         )
         limit = parse_memory_limit(memory_limit, 1, layout.n_workers, logger=logger)
     except (ValueError, TypeError, RuntimeError, ImportError) as e:
         raise click.ClickException(str(e)) from None
     where = f"GPU(s) {','.join(layout.devices)}" if layout.devices else "no GPU"
+    over = f", over {layout.protocol}" if layout.protocol else ""
     click.echo(
         f"dask overlap worker: {layout.n_workers} worker(s), {nthreads} thread(s) each, "
-        f"backend {layout.options.backend}, {where}",
+        f"backend {layout.options.backend}, {where}{over}",
         err=True,
     )
     common = dict(
@@ -211,9 +253,13 @@ def worker(
         death_timeout=death_timeout,
         dashboard=dashboard,
         dashboard_address=dashboard_address,
+        protocol=layout.protocol,
+        config=layout.worker_config(),
     )
     try:
-        asyncio.run(_serve(scheduler, layout, name, common))
+        # The nannies start UCX in this process (when it is the protocol).
+        with layout.comm_config():
+            asyncio.run(_serve(scheduler, layout, name, common))
     except TimeoutError:
         click.echo("dask overlap worker: timed out starting or reaching the scheduler", err=True)
         sys.exit(1)
