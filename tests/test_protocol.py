@@ -308,31 +308,31 @@ def test_ucxx_cluster_computes_across_two_workers() -> None:
         Client(cluster, set_as_default=False) as client,
     ):
         assert cluster.scheduler_address.startswith("ucxx://")
-        a, b = workers = sorted(client.scheduler_info()["workers"])
+        workers = list(client.scheduler_info()["workers"])
         assert all(w.startswith("ucxx://") for w in workers), workers
         ours = ucx_settings(gpu=True).env().get("UCX_TLS", os.environ.get("UCX_TLS"))
         assert set(client.run(env_of, "UCX_TLS").values()) == {ours}
 
-        xn = np.random.default_rng(0).random((4096, 512))
-        x = da.from_array(xn, chunks=(256, 512))
+        x = da.random.random((4096, 512), chunks=(256, 512))
         host = dask_overlap.map_blocks(func, x, split_axis=0)
         device = dask_overlap.map_blocks(func, x, split_axis=0, out="device")
-        host, device = client.persist([host, device])
-        np.testing.assert_allclose(client.compute(host, sync=True), func(xn))
+        x, host, device = client.persist([x, host, device])
+        xn = client.compute(x, sync=True)
         stats = client.run(runtime_stats)
-        assert all(s["backend"] == "cuda" and s["partitions"] > 0 for s in stats.values())
+        assert {s["backend"] for s in stats.values()} == {"cuda"}
+        assert sum(s["partitions"] for s in stats.values()) == 32
 
-        # One block of each kind from b, added on a to one of a's: it crosses between the
-        # workers over UCX (host buffers by shared memory, device ones by CUDA IPC).
+        # A block of each kind added to itself on the worker that does not hold it: it
+        # crosses between the workers over UCX (a host buffer by shared memory, a device
+        # one by CUDA IPC). Before anything gathers the arrays: each block has one holder.
         for arr in (host, device):
-            where = client.who_has(arr)
-            futures = {f.key: f for f in client.futures_of(arr)}
-            on_a = next(futures[k] for k, ws in where.items() if list(ws) == [a])
-            on_b = next(futures[k] for k, ws in where.items() if list(ws) == [b])
+            block = client.futures_of(arr)[0]
+            (holder,) = client.who_has(block)[block.key]
+            (other,) = set(workers) - {holder}
             before = client.run(incoming_transfers)
-            total = client.submit(add_to_host, on_a, on_b, workers=[a], allow_other_workers=False)
-            i, j = on_a.key[1], on_b.key[1]
-            expected = func(xn[i * 256 : (i + 1) * 256]) + func(xn[j * 256 : (j + 1) * 256])
-            np.testing.assert_allclose(total.result(), expected)
+            twice = client.submit(add_to_host, block, block, workers=[other], pure=False)
+            i = block.key[1]
+            np.testing.assert_allclose(twice.result(), 2 * func(xn[i * 256 : (i + 1) * 256]))
             after = client.run(incoming_transfers)
-            assert after[a] > before[a], (before, after)
+            assert after[other] > before[other], (before, after)
+        np.testing.assert_allclose(client.compute(host, sync=True), func(xn))
