@@ -417,12 +417,12 @@ def test_many_small_partitions_on_many_threads_reuse_their_events() -> None:
     assert len(rt.timeline) >= 3 * 400 or len(rt.timeline) == rt.timeline.maxlen
 
 
-# -- issue 12: small copy-ins reuse their stream's device memory --------------------------
+# -- what func may do with its input ------------------------------------------------------
 @pytest.mark.parametrize("threads", [1, 4])
 def test_a_func_that_returns_or_keeps_its_input_keeps_it_intact(threads: int) -> None:
-    """Small partitions reuse their stream's device memory for their input; a func that
-    returns its input (out="device") or keeps it must still see every block's own values
-    afterwards: the memory is reused only when nothing refers to it any more."""
+    """A func that returns its device input (out="device") or keeps it sees every block's
+    own values afterwards: no later partition writes into memory a block still refers to
+    (the guard against reusing input memory per stream, tried for issue 12)."""
     x = np.arange(64 * 64 * 40, dtype=np.float32).reshape(64 * 40, 64)
     kept: list[Any] = []
 
@@ -435,25 +435,11 @@ def test_a_func_that_returns_or_keeps_its_input_keeps_it_intact(threads: int) ->
         np.testing.assert_array_equal(cp.asnumpy(same.compute()), x)
         doubled = dask_overlap.map_blocks(keep, views(x, 64)).compute()
     np.testing.assert_array_equal(doubled, x * 2)
-    assert len(kept) == 40
-    got = sorted((cp.asnumpy(b) for b in kept), key=lambda b: float(b[0, 0]))
+    blocks = [b for b in kept if b.shape == (64, 64)]  # not dtype inference's calls
+    assert len(blocks) == 40
+    got = sorted((cp.asnumpy(b) for b in blocks), key=lambda b: float(b[0, 0]))
     for i, g in enumerate(got):
         np.testing.assert_array_equal(g, x[i * 64 : (i + 1) * 64])
-
-
-def test_small_copy_ins_reuse_their_stream_memory() -> None:
-    """With one stream and one thread, 50 small partitions allocate their input's device
-    memory once (the stream's scratch), not 50 times."""
-    x = np.ones((50 * 256, 256), np.float32)
-    with dask.config.set({"num_workers": 1, "overlap.streams": 1}):
-        rt = runtime()
-        y = dask_overlap.map_blocks(lambda b: b + 1, views(x, 256))
-        np.testing.assert_array_equal(y.compute(), x + 1)
-        (stream,) = rt.streams
-        first = stream._scratch
-        assert first is not None
-        np.testing.assert_array_equal(y.compute(), x + 1)
-        assert stream._scratch is first  # the same memory, reused
 
 
 # -- issue 13: what func may do and return -----------------------------------------------

@@ -30,9 +30,7 @@ Nothing here touches CUDA at import time; everything is created by :class:`CudaB
 from __future__ import annotations
 
 import itertools
-import math
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -60,11 +58,6 @@ _D2H = 2  # cudaMemcpyDeviceToHost
 _STOP = object()
 #: Timing events kept for reuse once resolved (four per sub-chunk in flight).
 _SPARE_MARKS = 1024
-#: Copy-ins up to this size reuse their stream's device memory (CudaStream.scratch): at
-#: most this much per stream is kept. Larger ones allocate (their copy outweighs it).
-_SCRATCH_BYTES = 32 * 2**20
-#: The least a stream's scratch memory is made with, so that it is not remade per size.
-_SCRATCH_MIN = 4 * 2**20
 #: Arrays whose pinnedness is remembered (see CudaBackend.is_pinned).
 _PINNED_ROOTS = 4096
 
@@ -223,7 +216,6 @@ class CudaStream:
         # Completion events that have fired, for reuse: creating one per sub-chunk costs a
         # driver call (and its destruction another).
         self._events: list[Any] = []
-        self._scratch: Any = None  # device memory reused by small copy-ins (see scratch)
         with self._device:
             self._from_legacy = cupy.cuda.Event(disable_timing=True)
         self._waits: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -276,29 +268,6 @@ class CudaStream:
             return
         self._from_legacy.record(legacy)
         self.cupy.wait_event(self._from_legacy)
-
-    def scratch(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray | None:
-        """A device array for one sub-chunk's input, on memory this stream keeps for it, or
-        ``None`` when that memory is in use or too small for a reuse to pay.
-
-        A small partition's copy-in would otherwise allocate and free device memory every
-        time (two driver calls, contended between threads). Reuse is safe by the stream's
-        order: the next user's copy-in is enqueued after the last user's work. It is taken
-        only when nothing else refers to the memory (checked by its reference count: a
-        ``func`` that returned or kept its input, or a sub-chunk still in flight on this
-        stream, holds it, and then the caller allocates as usual)."""
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        if not 0 < nbytes <= _SCRATCH_BYTES:
-            return None
-        with self._lock:
-            mem = self._scratch
-            # References to an unused block: this stream's attribute and the local name,
-            # plus getrefcount's own argument.
-            if mem is None or mem.size < nbytes or sys.getrefcount(mem) > 3:
-                if mem is not None and sys.getrefcount(mem) > 3:
-                    return None  # in use: allocate as usual
-                mem = self._scratch = cupy.cuda.alloc(max(nbytes, _SCRATCH_MIN)).mem
-            return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
     def _event(self) -> Any:
         """A completion event: one that has fired before, or a new one."""
@@ -362,7 +331,6 @@ class CudaStream:
             if self._closed:
                 return
             self._closed = True
-            self._scratch = None  # freed once its last user has let go
             self._waits.put(_STOP)
         self._thread.join()
         _give_back_stream(self.device_id, self.cupy)
@@ -556,9 +524,7 @@ class CudaBackend:
             host = host.astype(host.dtype.newbyteorder("="))
             stream.keep(host)
         with self.trace.span(stream, "h2d"):
-            dev = stream.scratch(host.shape, host.dtype)
-            if dev is None:
-                dev = cupy.empty(host.shape, host.dtype)  # from the RMM pool, on ``stream``
+            dev = cupy.empty(host.shape, host.dtype)  # from the RMM pool, on ``stream``
             if host.nbytes == 0:
                 return dev
             rows = _rows(host)
