@@ -115,6 +115,10 @@ class _PartitionRun:
     """One partition's state and its stages, shared by the two drivers below: what the
     task's thread enqueues, and what it lets go of once the copies that read it completed."""
 
+    #: Completions coming back to the driver: only the engine's path has them (and makes
+    #: the queue); the stages that post to it run on that path alone.
+    events: queue.SimpleQueue[Done | Failed]
+
     def __init__(
         self,
         rt: Runtime,
@@ -146,7 +150,6 @@ class _PartitionRun:
         )
         self.subs = [self.admission.sub_chunk(i) for i in range(len(lay.plan))]
         self.output = PartitionOutput(self.backend, lay, spec, self.split, where)
-        self.events: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
         self.used_streams: dict[int, Any] = {}
         self.failed: set[int] = set()
         # Tallies of this partition, flushed into the runtime's counters once, at its end
@@ -424,6 +427,10 @@ class _LeanRun(_PartitionRun):
 class _EngineRun(_PartitionRun):
     """The driver of a partition of several sub-chunks: the engine decides what starts
     when, and the stages' completions come back to this thread as its events."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.events: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
 
     def run(self) -> Any:
         counters = self.rt.counters

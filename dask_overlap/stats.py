@@ -36,10 +36,12 @@ class Counters:
 
     def _add(self, amounts: dict[str, float]) -> None:
         """Add ``amounts``; the caller holds the lock."""
+        fields = self.__dict__  # (per partition, twice: plain dict access, not setattr)
         for name, amount in amounts.items():
             if amount:
-                setattr(self, name, getattr(self, name) + amount)
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                fields[name] += amount
+        if self.in_flight > self.max_in_flight:
+            self.max_in_flight = self.in_flight
 
     def add(self, **amounts: float) -> None:
         with self._lock:
