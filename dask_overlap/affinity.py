@@ -253,5 +253,12 @@ class CPUAffinity(WorkerPlugin):
                 "no affinity on this OS" if self.before is None else sorted(self.before),
             )
             return
-        set_process_affinity(self.applied)
+        try:
+            set_process_affinity(self.applied)
+        except OSError as e:  # a cpuset or a sandbox that refuses: leave it, do not fail
+            logger.warning(
+                "CPU affinity left as it is: setting cores %s failed (%s)", self.applied, e
+            )
+            self.applied = None
+            return
         logger.info("CPU affinity: cores %s (were %s)", self.applied, sorted(self.before or ()))

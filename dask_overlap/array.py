@@ -187,14 +187,12 @@ class _PartitionTaskWithInfo(_PartitionTask):
 
 def _guard_gpu_kernels() -> None:
     """Before Dask pickles ``func``: CuPy kernels it closes over must not be copied in-process
-    (see :func:`dask_overlap.backends.cuda.guard_kernel_pickling`). Only when CuPy is
-    already imported, so CPU-only use never imports it."""
+    (see :mod:`dask_overlap.backends.kernel_pickling`). Only when CuPy is already
+    imported, so CPU-only use never imports it."""
     if "cupy" not in sys.modules:
         return
-    try:
-        from .backends.cuda import guard_kernel_pickling
-    except ImportError:  # CuPy without RMM: the cuda backend cannot run anyway
-        return
+    from .backends.kernel_pickling import guard_kernel_pickling
+
     guard_kernel_pickling()
 
 

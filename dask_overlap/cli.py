@@ -31,7 +31,7 @@ from .cluster import THREADS_PER_WORKER, WorkerLayout, plan_workers
 from .config import Options
 from .dashboard import register_with_scheduler
 from .plugin import OverlapPlugin, resolve_options
-from .ucx import check_protocol, protocols, scheme_of
+from .ucx import check_protocol, is_ucx, protocols, require_ucx, scheme_of
 
 __all__ = ["main", "options_from_params", "worker_protocol"]
 
@@ -226,6 +226,10 @@ def worker(
     if not scheduler and not scheduler_file:
         raise click.UsageError("give SCHEDULER_ADDRESS or --scheduler-file")
     try:
+        reach = scheme_of(scheduler) or scheme_of(_scheduler_file_address(scheduler_file))
+        if is_ucx(reach) and protocol is not None and not is_ucx(protocol.removesuffix("://")):
+            # Whatever they listen on, the workers reach the scheduler over UCX.
+            require_ucx(f"the scheduler's address ({reach}://...)")
         layout = plan_workers(
             n_workers,
             cuda_visible_devices=cuda_visible_devices,

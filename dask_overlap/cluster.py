@@ -106,6 +106,8 @@ def _nvml_gpus() -> list[str] | str:
         return f"NVML did not start ({e})"
     try:
         return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except pynvml.NVMLError as e:
+        return f"NVML could not count the GPUs ({e})"
     finally:
         pynvml.nvmlShutdown()
 

@@ -60,7 +60,13 @@ class PartitionOutput:
                 spec.func_name, shape, result.dtype, spec.out_shape, spec.out_dtype, self.where
             )
             if not self.split and (
-                spec.out == "device" or (spec.out == "host" and direct and self.backend.host_memory)
+                spec.out == "device"
+                or (
+                    spec.out == "host"
+                    and direct
+                    and self.backend.host_memory
+                    and type(result) is np.ndarray  # an ordinary array, as out="host" says
+                )
             ):
                 self.array = result
                 return None

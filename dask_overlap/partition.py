@@ -431,6 +431,7 @@ class _EngineRun(_PartitionRun):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.events: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
+        self.leased: set[int] = set()  # sub-chunks holding a stream lease
 
     def run(self) -> Any:
         counters = self.rt.counters
@@ -484,6 +485,9 @@ class _EngineRun(_PartitionRun):
             if failed:
                 # Nothing is dropped before the streams are done with it.
                 self._wait_streams()
+                for i in self.leased:  # sub-chunks that failed on the device or in D2H
+                    self.rt.release_stream(self.subs[i].stream)
+                self.leased.clear()
                 for i in range(n):
                     self._drop(i)
                 self.output.array = None
@@ -521,6 +525,7 @@ class _EngineRun(_PartitionRun):
         if event.stage == Stage.D2H:
             self._resolve_marks(sub)
             self.rt.release_stream(sub.stream)
+            self.leased.discard(i)
             self.tally["bytes_h2d"] += sub.h2d_bytes
             self.tally["bytes_d2h"] += sub.d2h_bytes
             self._off_device(sub)
@@ -541,6 +546,7 @@ class _EngineRun(_PartitionRun):
         sub = self.subs[i]
         stream = sub.stream = self.rt.acquire_stream()
         self.used_streams[id(stream)] = stream
+        self.leased.add(i)
         self.rt.counters.add(device_bytes_in_flight=sub.h2d_bytes)
         sub.on_device = True
 

@@ -132,3 +132,33 @@ def test_small_partitions_skip_the_ring_for_every_out(out):
     stats = wait_until_idle()
     assert stats["bytes_staged"] == stats["bytes_unstaged"] == 0
     assert stats["pinned_fallbacks"] == 0
+
+
+def test_a_small_partitions_result_is_an_ordinary_array_on_the_host_backend():
+    """Where a direct result is handed on as it is (the host backend), only an ordinary
+    ndarray is: a subclass goes the copy's way, so every block has one type whatever the
+    partition's size."""
+    a, x = small()
+    y = dask_overlap.map_blocks(lambda b: np.ma.masked_less(b, 0.0), x, dtype=a.dtype)
+    (done,) = dask.persist(y)
+    chunks = [np.asarray(c) for c in done.__dask_graph__().values()]
+    assert [type(c) for c in done.__dask_graph__().values()] == [np.ndarray] * 6
+    np.testing.assert_array_equal(np.concatenate(chunks), a)
+
+
+def test_sub_chunks_that_fail_give_their_stream_leases_back():
+    """A split partition whose func fails on some sub-chunks leaves no stream leased."""
+
+    def fail_late(b):
+        if b[0, 0] >= 300:
+            raise ValueError("cursed")
+        return -b
+
+    x = da.from_array(np.arange(640.0).reshape(64, 10), chunks=(64, 10))
+    for _ in range(3):
+        with pytest.raises(ValueError, match="cursed"):
+            dask_overlap.map_blocks(fail_late, x, split_axis=0, sub_chunk_bytes=160).compute(
+                scheduler="sync"
+            )
+    wait_until_idle()
+    assert sum(dask_overlap.get_runtime()._leases) == 0

@@ -126,9 +126,11 @@ def test_ucx_without_distributed_ucxx_says_what_to_install(
         (["ucxx://127.0.0.1:1"], "protocol='ucxx' " + INSTALL),
         (["tcp://127.0.0.1:1", "--protocol", "ucx"], "protocol='ucx' " + INSTALL),
         (["tcp://127.0.0.1:1", "--protocol", "pigeon"], "--protocol must be one of .*'pigeon'"),
+        # Listening on tcp, the workers still reach a ucxx:// scheduler over UCX.
+        (["ucxx://127.0.0.1:1", "--protocol", "tcp"], r"address \(ucxx://...\) " + INSTALL),
         (["pigeon://127.0.0.1:1"], "the scheme of SCHEDULER_ADDRESS must be one of .*'pigeon'"),
     ],
-    ids=["ucxx-address", "ucx-flag", "unknown-flag", "unknown-scheme"],
+    ids=["ucxx-address", "ucx-flag", "unknown-flag", "tcp-flag-ucxx-address", "unknown-scheme"],
 )
 def test_worker_refuses_a_protocol_before_starting(
     args: list[str], message: str, without_ucx, nothing_starts

@@ -53,7 +53,7 @@ def guard_kernel_pickling() -> None:
     """Make ``cupy.ElementwiseKernel`` objects pickle as in-process references (idempotent).
 
     Called by :func:`dask_overlap.map_blocks` when CuPy is imported, before Dask pickles
-    the task, and by the cuda backend. See the comment above this function.
+    the task, and by the cuda backend. See the module's docstring.
 
     Examples
     --------
