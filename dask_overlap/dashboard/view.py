@@ -32,7 +32,8 @@ def binned_throughput(timeline: dict[str, list], lo: float, hi: float) -> dict[s
     """H2D and D2H bytes/s in ``_BINS`` bins over [lo, hi] (``time``: the bins' middles,
     seconds), each copy's bytes spread evenly from its start to its end.
 
-    For snapshots without ``rates`` (a saved ``/overlap.json`` of an older version)."""
+    For snapshots without ``rates``: every ``/overlap.json?detail=1`` (whose timeline is
+    complete, so the rates are worked out from it) and saved snapshots of older versions."""
     import numpy as np
 
     edges = np.linspace(lo, hi, _BINS + 1)

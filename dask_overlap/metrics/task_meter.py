@@ -32,8 +32,8 @@ class TaskMeter:
     """The fine performance metrics of one partition task.
 
     The partition's driver loop (the task's thread) reports each wait and each finished
-    sub-chunk's spans (a span: one stage of one sub-chunk as it ran); staging threads may
-    report fallbacks. :meth:`task` digests the totals through ``context_meter`` when the
+    sub-chunk's spans (a span: one stage of one sub-chunk as it ran), and its pinned
+    fallbacks when it ends. :meth:`task` digests the totals through ``context_meter`` when the
     partition ends, in the task's thread, and opens an NVTX range for the partition
     meanwhile.
 
