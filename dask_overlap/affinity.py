@@ -26,9 +26,10 @@ copy threads) follow too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from distributed import WorkerPlugin
@@ -133,6 +134,34 @@ def _handle(pynvml: Any, device: str) -> Any:
     return handle
 
 
+#: Why NVML cannot say, when nvidia-ml-py is missing.
+NO_NVML = (
+    "nvidia-ml-py is not installed (pip install nvidia-ml-py, or dask_overlap[cuda13] / "
+    "[cuda12]: NVML counts GPUs as Dask's GPU diagnostics do)"
+)
+
+
+@contextlib.contextmanager
+def nvml() -> Iterator[Any]:
+    """``pynvml``, started for the block and shut down after it, or a string that says why
+    NVML cannot answer (not installed, or no driver). NVML counts its starts, so the
+    shutdown leaves distributed's own (its GPU metrics, in the same process) running."""
+    try:
+        import pynvml
+    except ImportError:
+        yield NO_NVML
+        return
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        yield f"NVML did not start ({e})"
+        return
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def nvml_cores(device: str | int) -> list[int] | None:
     """The cores NVML reports near the GPU that ``device`` names, as NVML says them.
 
@@ -145,26 +174,16 @@ def nvml_cores(device: str | int) -> list[int] | None:
     >>> nvml_cores(0)  # doctest: +SKIP
     [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
     """
-    try:
-        import pynvml
-    except ImportError:
-        logger.debug("nvidia-ml-py is not installed: no CPU affinity for GPU %s", device)
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:
-        logger.debug("NVML did not start (%s): no CPU affinity for GPU %s", e, device)
-        return None
-    # NVML counts its initialisations, so this shutdown leaves distributed's own (its
-    # GPU metrics, in the same process) running.
-    try:
-        masks = pynvml.nvmlDeviceGetCpuAffinity(_handle(pynvml, str(device)), _cpu_words())
-        return unpack_bitmask(list(masks)) or None
-    except pynvml.NVMLError as e:
-        logger.debug("NVML has no CPU affinity for GPU %s: %s", device, e)
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+    with nvml() as pynvml:
+        if isinstance(pynvml, str):
+            logger.debug("%s: no CPU affinity for GPU %s", pynvml, device)
+            return None
+        try:
+            masks = pynvml.nvmlDeviceGetCpuAffinity(_handle(pynvml, str(device)), _cpu_words())
+            return unpack_bitmask(list(masks)) or None
+        except pynvml.NVMLError as e:
+            logger.debug("NVML has no CPU affinity for GPU %s: %s", device, e)
+            return None
 
 
 def gpu_cores(device: str | int) -> list[int] | None:

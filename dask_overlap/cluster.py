@@ -31,7 +31,7 @@ from distributed import LocalCluster, WorkerPlugin
 from distributed.protocol.pickle import dumps
 from distributed.worker_memory import parse_memory_limit
 
-from .affinity import CPUAffinity, gpu_cores
+from .affinity import CPUAffinity, gpu_cores, nvml
 from .config import Options, check_positive_int
 from .dashboard import OverlapSchedulerPlugin
 from .plugin import OverlapPlugin, resolve_options
@@ -59,10 +59,6 @@ _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
 _NO_GPU = (
     "no GPU is visible (CUDA_VISIBLE_DEVICES is {cvd}{probe}); pass allow_cpu=True "
     "(--allow-cpu) for CPU workers on the host backend"
-)
-_NO_NVML = (
-    "nvidia-ml-py is not installed (pip install nvidia-ml-py, or dask_overlap[cuda13] / "
-    "[cuda12]: NVML counts GPUs as Dask's GPU diagnostics do)"
 )
 
 
@@ -96,20 +92,13 @@ def _nvml_gpus() -> list[str] | str:
     """Indices of the GPUs NVML reports, or why NVML could not say (not installed, or
     no driver). MIG instances are not counted (their GPU is): name them in
     CUDA_VISIBLE_DEVICES."""
-    try:
-        import pynvml
-    except ImportError:
-        return _NO_NVML
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:
-        return f"NVML did not start ({e})"
-    try:
-        return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
-    except pynvml.NVMLError as e:
-        return f"NVML could not count the GPUs ({e})"
-    finally:
-        pynvml.nvmlShutdown()
+    with nvml() as pynvml:
+        if isinstance(pynvml, str):
+            return pynvml
+        try:
+            return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except pynvml.NVMLError as e:
+            return f"NVML could not count the GPUs ({e})"
 
 
 def _probe_gpus() -> tuple[list[str], str]:
