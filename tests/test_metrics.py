@@ -200,17 +200,20 @@ def test_install_and_prometheus_collector() -> None:
 
 
 # -- on a real cluster ----------------------------------------------------------------
+#: Worker processes whose own HTTP servers (their /metrics) are up, on free ports.
+WITH_WORKER_DASHBOARDS = dict(
+    threads_per_worker=2,
+    processes=True,
+    dashboard_address=None,
+    worker_dashboard_address="127.0.0.1:0",
+)
+
+
 @pytest.fixture(scope="module")
 def run() -> Iterator[dict[str, Any]]:
     """One run on a two-worker cluster, inside a span; what the test functions look at."""
     with (
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=2,
-            processes=True,
-            dashboard_address=None,
-            worker_dashboard_address="127.0.0.1:0",
-        ) as cluster,
+        LocalCluster(n_workers=2, **WITH_WORKER_DASHBOARDS) as cluster,
         Client(cluster) as client,
     ):
         dask_overlap.register(client, **PLUGIN)
@@ -334,13 +337,7 @@ def test_prometheus_series_follow_the_configured_namespace() -> None:
     with ``distributed.dashboard.prometheus.namespace`` (the workers read it at start)."""
     with (
         dask.config.set({"distributed.dashboard.prometheus.namespace": "ovtest"}),
-        LocalCluster(
-            n_workers=1,
-            threads_per_worker=2,
-            processes=True,
-            dashboard_address=None,
-            worker_dashboard_address="127.0.0.1:0",
-        ) as cluster,
+        LocalCluster(n_workers=1, **WITH_WORKER_DASHBOARDS) as cluster,
         Client(cluster) as client,
     ):
         dask_overlap.register(client, dashboard=False, **PLUGIN)
