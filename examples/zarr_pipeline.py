@@ -17,7 +17,10 @@ the same reason makes ``split_axis=0`` valid (a partition may be cut between ima
 CPU, the SciPy filter. Both run on the same cluster, after an untimed warm-up of each
 (kernel compilation, pools); dask_overlap runs first, so a cold page cache would cost it,
 not the baseline, and dirty pages are flushed (``os.sync``) before each timed run. The two
-outputs are compared element by element.
+outputs are compared element by element. Beside them it times the same read and write with
+no filter at all: the ceiling the storage sets, which neither pipeline can pass (where
+both reach it, the disk, not the GPU, sets the pace: put the stores on faster storage,
+``/dev/shm`` for instance, to see the filter's cost).
 
 Run it from a clone (the workers are processes that import this file)::
 
@@ -35,6 +38,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -313,6 +317,8 @@ def run(client: Any, args: argparse.Namespace, gpu: bool, warm_chunks: int) -> d
     if args.compare:
         plain = args.output.with_name(f"{args.output.stem}-plain-dask{args.output.suffix}")
         runs["plain"] = (plain_dask(x, args.sigma, gpu), plain)
+        copy = args.output.with_name(f"{args.output.stem}-io-only{args.output.suffix}")
+        runs["io_only"] = (x, copy)
     # Untimed warm-up, a chunk per task thread: kernels compiled, pools allocated.
     warm = min(x.numblocks[0], warm_chunks) * x.chunks[0][0]
     da.compute(*(arr[:warm].sum(dtype="f8") for arr, _ in runs.values()))
@@ -337,6 +343,7 @@ def run(client: Any, args: argparse.Namespace, gpu: bool, warm_chunks: int) -> d
     }
     if args.compare:
         result["equal"], result["max_abs_diff"] = compare(args.output, runs["plain"][1], gpu)
+        shutil.rmtree(runs["io_only"][1], ignore_errors=True)  # a copy of the input
     return result
 
 
@@ -359,6 +366,14 @@ def report(result: dict[str, Any], gpu: bool) -> None:
             f"({seconds['plain']:.2f} s); dask_overlap / plain: {result['ratio']:.2f}x"
         )
         print(f"outputs equal: {result['equal']} (largest difference {result['max_abs_diff']:.3g})")
+    if "io_only" in gbps:
+        io = gbps["io_only"]
+        result["of_io_ceiling"] = {k: gbps[k] / io for k in ("dask_overlap", "plain")}
+        print(
+            f"read -> write with no filter (the storage's ceiling): {io:.2f} GB/s; "
+            f"dask_overlap at {result['of_io_ceiling']['dask_overlap']:.2f} of it, "
+            f"plain at {result['of_io_ceiling']['plain']:.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

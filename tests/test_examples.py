@@ -69,7 +69,10 @@ def test_zarr_pipeline_on_the_cpu(tmp_path):
     assert result["backend"] == ["host"]
     assert result["input_bytes"] == 4 << 20
     assert result["shape"] == [128, 64, 128]
-    assert set(result["gbps"]) == {"dask_overlap", "plain"}
+    assert set(result["gbps"]) == {"dask_overlap", "plain", "io_only"}
+    assert set(result["of_io_ceiling"]) == {"dask_overlap", "plain"}
+    assert "read -> write with no filter (the storage's ceiling)" in done.stdout, done.stdout
+    assert not (tmp_path / "out-io-only.zarr").exists()  # the ceiling's copy is removed
     assert all(v > 0 for v in result["gbps"].values())
     assert result["ratio"] == pytest.approx(
         result["gbps"]["dask_overlap"] / result["gbps"]["plain"]
