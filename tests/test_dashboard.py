@@ -274,6 +274,30 @@ def test_view_and_static_render(tmp_path: Path) -> None:
     assert "overlap-timeline" in Path(out).read_text()
 
 
+def test_transfers_in_have_a_lane_of_their_own() -> None:
+    """#16: a partition moved in from another worker is drawn beside the streams, on its
+    own lane and in its own colour, and counts in neither copy rate."""
+    snap = synthetic()
+    tl = snap["workers"]["w"]["timeline"]
+    t0 = tl["start"][0]
+    for c, v in dict(key="('y', 5)", sub_chunk=1, stream=-2, stage="transfer").items():
+        tl[c].append(v)
+    tl["start"].append(t0 - 0.05)
+    tl["end"].append(t0)
+    tl["nbytes"].append(2**24)
+    view = OverlapView(55e9)
+    view.update(snap)
+    rows = view.timeline_source.data
+    i = rows["stage"].index("transfer")
+    assert rows["stage_name"][i] == "transfer in" and rows["color"][i] == "#9467bd"
+    labels = view.panels["w"].timeline.yaxis.major_label_overrides
+    assert labels == {-2: "transfers in", -1: "copy threads", 0: "stream 0", 1: "stream 1"}
+    rates = view.panels["w"].rate_source.data
+    width = (rates["time"][1] - rates["time"][0]) / 1000
+    assert sum(rates["h2d"]) * width * 1e9 == pytest.approx(6 * 2**20, rel=1e-3)  # not 16 MiB
+    assert "transfer in" in view.header.text
+
+
 def test_view_plots_the_rates_heartbeats_reported() -> None:
     snap = synthetic()
     t0 = snap["time"] - 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +27,7 @@ from dask_overlap.metrics.worker import (
     detail,
     heartbeat,
     install_worker_metrics,
+    transfer_spans,
     uninstall_worker_metrics,
 )
 
@@ -175,6 +177,39 @@ class FakeWorker:
     def __init__(self) -> None:
         self.metrics: dict[str, Any] = {}
         self.handlers: dict[str, Any] = {}
+        self.transfer_incoming_log: list[dict[str, Any]] = []
+
+
+def test_transfers_ride_the_heartbeat_on_their_own_lane() -> None:
+    """#16: what Dask moved in from other workers (distributed's transfer log) travels with
+    the spans, as stage ``transfer`` on lane -2, in the heartbeat and the detailed view."""
+    from dask_overlap.runtime import Span
+
+    rt = dask_overlap.get_runtime("host")
+    rt.timeline.clear()
+    w = FakeWorker()
+    t = time.time()
+    w.transfer_incoming_log.append(
+        {"start": t - 0.5, "stop": t - 0.2, "keys": {("y", 3): 96, ("y", 4): 32}, "total": 128}
+    )
+    rt.timeline.append(Span(("z", 0), 0, 0, "h2d", t - 0.3, t - 0.1, 64))
+    install_worker_metrics(w, rt)  # type: ignore[arg-type]
+    try:
+        for cols in (
+            timeline.unpack(w.metrics[METRICS_NAME](w)["recent"]),
+            w.handlers[TIMELINE_HANDLER](seconds=60)["timeline"],
+        ):
+            # Oldest end first, the transfer among the stages.
+            assert cols["stage"] == ["transfer", "h2d"]
+            assert cols["stream"] == [stages.TRANSFER_LANE, 0]
+            assert cols["key"] == [str(("y", 3)), str(("z", 0))]
+            assert cols["sub_chunk"][0] == 2 and cols["nbytes"][0] == 128
+        # The runtime's own tallies leave transfers out: they are not a stage it ran.
+        assert w.metrics[METRICS_NAME](w)["bytes_h2d"] == rt.counters.snapshot()["bytes_h2d"]
+    finally:
+        uninstall_worker_metrics(w)  # type: ignore[arg-type]
+        rt.timeline.clear()
+    assert transfer_spans([]) == []
 
 
 def test_install_and_prometheus_collector() -> None:
@@ -229,6 +264,7 @@ def run() -> Iterator[dict[str, Any]]:
             "span_id": span_id,
             "prefix": key_split(y.__dask_keys__()[0][0]),
             "nbytes": x.nbytes,
+            "y": y,
         }
 
 
@@ -289,6 +325,27 @@ def test_heartbeat_metrics_reach_the_scheduler(run: dict[str, Any]) -> None:
         for k in ("h2d_bytes_per_second", "d2h_bytes_per_second", "overlap_efficiency"):
             assert isinstance(m[k], float)
         assert m["backpressure_seconds"] >= 0 and m["pinned_fallbacks"] > 0
+
+
+def test_a_partition_moved_between_workers_shows_in_the_heartbeat(run: dict[str, Any]) -> None:
+    """#16: a block computed on one worker and used on the other shows, in the second's
+    heartbeat at the scheduler, as a ``transfer`` span with its key and bytes."""
+    client, sched = run["client"], run["cluster"].scheduler
+    block = client.futures_of(run["y"])[0]
+    (holder,) = client.who_has(block)[block.key]
+    (other,) = set(sched.workers) - {holder}
+    total = client.submit(np.sum, block, workers=[other], pure=False)
+    assert total.result() == pytest.approx(float(client.compute(run["y"].blocks[0]).result().sum()))
+
+    def moved() -> dict | None:
+        cols = timeline.unpack(sched.workers[other].metrics["overlap"]["recent"])
+        rows = [i for i, st in enumerate(cols["stage"]) if st == "transfer"]
+        return {c: [cols[c][i] for i in rows] for c in cols} if rows else None
+
+    got = poll(moved)
+    assert str(block.key) in got["key"]
+    assert set(got["stream"]) == {stages.TRANSFER_LANE}
+    assert max(got["nbytes"]) >= run["y"].blocks[0].nbytes
 
 
 def test_worker_prometheus_endpoint(run: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from ..metrics.stages import COLORS, DISPLAY_NAMES
+from ..metrics.stages import COLORS, DISPLAY_NAMES, TRANSFER_LANE
 
 __all__ = ["GB", "WorkerPanel", "format_rate"]
 
@@ -154,14 +154,13 @@ class WorkerPanel:
 
     def update(self, w: dict[str, Any], lanes: list[int], rates: dict[str, list]) -> None:
         """Show worker snapshot ``w`` with a lane per stream in ``lanes`` (-1: the copy
-        threads) and ``rates`` (``time`` in seconds, ``h2d`` and ``d2h`` in bytes/s)."""
+        threads, -2: transfers from other workers) and ``rates`` (``time`` in seconds,
+        ``h2d`` and ``d2h`` in bytes/s)."""
         from bokeh.models import FixedTicker
 
         self.timeline.yaxis.ticker = FixedTicker(ticks=lanes)
         self.timeline.height = max(200, 70 + 15 * len(lanes))
-        self.timeline.yaxis.major_label_overrides = {
-            j: ("copy threads" if j < 0 else f"stream {j}") for j in lanes
-        }
+        self.timeline.yaxis.major_label_overrides = {j: _lane_name(j) for j in lanes}
         self.rate_source.data = {
             "time": [t * 1000 for t in rates["time"]],
             "h2d": [r / GB for r in rates["h2d"]],
@@ -195,6 +194,13 @@ class WorkerPanel:
             f"pinned fallbacks {w.get('pinned_fallbacks', 0)}<br>"
             f"{busy} {w.get('busy_unit', 'seconds')} busy"
         )
+
+
+def _lane_name(lane: int) -> str:
+    """The label of a timeline lane: a stream, the copy threads or the transfers in."""
+    if lane == TRANSFER_LANE:
+        return "transfers in"
+    return "copy threads" if lane < 0 else f"stream {lane}"
 
 
 def _pool_bars(w: dict[str, Any]) -> dict[str, list]:

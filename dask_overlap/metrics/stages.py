@@ -4,14 +4,32 @@ The runtime's timeline writes a stage as ``staging``, ``h2d``, ``compute``, ``d2
 ``unstaging`` (the engine's stage names, lower case); the fine performance metrics label
 it ``overlap-<stage>``, the dashboard shows it under its display name, and the dashboard
 and NVTX ranges draw it in one colour.
+
+Beside the stages, the dashboard draws the worker's incoming transfers (``transfer``):
+partitions Dask moved to it from other workers, from distributed's own transfer log, on a
+lane of their own (:data:`TRANSFER_LANE`). They are not a stage of the pipeline: no
+sub-chunk runs them and the runtime's counters leave them out.
 """
 
 from __future__ import annotations
 
-__all__ = ["COLORS", "DISPLAY_NAMES", "OTHER_COLOR", "STAGES", "argb", "label"]
+__all__ = [
+    "COLORS",
+    "DISPLAY_NAMES",
+    "OTHER_COLOR",
+    "STAGES",
+    "TRANSFER",
+    "TRANSFER_LANE",
+    "argb",
+    "label",
+]
 
 #: Stage names as the runtime's timeline writes them, in pipeline order.
 STAGES = ("staging", "h2d", "compute", "d2h", "unstaging")
+#: A transfer from another worker, as the timeline names it...
+TRANSFER = "transfer"
+#: ...and its lane (streams are 0, 1, ...; the copy threads -1).
+TRANSFER_LANE = -2
 #: What the dashboard calls each stage.
 DISPLAY_NAMES = {
     "staging": "staging",
@@ -19,6 +37,7 @@ DISPLAY_NAMES = {
     "compute": "kernel",
     "d2h": "D2H",
     "unstaging": "unstaging",
+    TRANSFER: "transfer in",
 }
 #: ``#rrggbb`` of each stage (the copy threads' stages in grey and brown).
 COLORS = {
@@ -27,6 +46,7 @@ COLORS = {
     "compute": "#2ca02c",
     "d2h": "#ff7f0e",
     "unstaging": "#8c564b",
+    TRANSFER: "#9467bd",
 }
 #: The colour of anything that is not a known stage.
 OTHER_COLOR = "#7f7f7f"

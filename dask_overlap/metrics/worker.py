@@ -12,14 +12,24 @@ It also adds the worker handler :data:`TIMELINE_HANDLER`, which answers with eve
 of a longer window (:func:`detail`) when someone asks for it explicitly
 (``/overlap.json?detail=1``), and reports the runtime to the process's Prometheus
 collector (:mod:`dask_overlap.metrics.prometheus`).
+
+Both also carry the worker's incoming transfers (:func:`transfer_spans`: what Dask moved
+to it from other workers, read from distributed's own ``Worker.transfer_incoming_log``),
+as spans of stage ``transfer`` on a lane of their own, so the page shows a partition's
+move beside the streams that then work on it. Their time and bytes are in Dask's own fine
+performance metrics already (activity ``gather-dep``), and in its Prometheus series.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..runtime import Span
 from . import prometheus, timeline
+from .stages import TRANSFER, TRANSFER_LANE
 from .summary import worker_metrics
 
 if TYPE_CHECKING:
@@ -37,6 +47,7 @@ __all__ = [
     "detail",
     "heartbeat",
     "install_worker_metrics",
+    "transfer_spans",
     "uninstall_worker_metrics",
 ]
 
@@ -58,36 +69,84 @@ HEARTBEAT_IDLE_SECONDS = 10.0
 TIMELINE_LIMIT = 1500
 
 
+def transfer_spans(log: Iterable[Mapping[str, Any]]) -> list[Span]:
+    """Distributed's transfer log (``Worker.transfer_incoming_log``: one entry per gather
+    from one worker, with ``start``, ``stop``, ``keys`` and ``total`` bytes) as spans of
+    stage ``transfer`` on lane :data:`~dask_overlap.metrics.stages.TRANSFER_LANE`, in the
+    log's (completion) order. A span's key is the first key moved, its ``sub_chunk`` the
+    number of keys.
+
+    Examples
+    --------
+    >>> log = [{"start": 1.0, "stop": 1.5, "keys": {("y", 3): 64, ("y", 4): 64}, "total": 128}]
+    >>> transfer_spans(log)
+    [Span(key=('y', 3), sub_chunk=2, stream=-2, stage='transfer', start=1.0, end=1.5, nbytes=128)]
+    """
+    out = []
+    for entry in log:
+        keys = entry.get("keys") or {}
+        key = next(iter(keys), entry.get("who", ""))
+        out.append(
+            Span(
+                key if isinstance(key, tuple) else (key,),
+                len(keys),
+                TRANSFER_LANE,
+                TRANSFER,
+                float(entry["start"]),
+                float(entry["stop"]),
+                int(entry.get("total", 0)),
+            )
+        )
+    return out
+
+
+def _merged(*groups: Sequence[Span]) -> list[Span]:
+    """Spans of several sources (each oldest first) in one list, by end."""
+    return sorted(itertools.chain(*groups), key=lambda s: s.end)
+
+
 def heartbeat(
     rt: Runtime,
     seconds: float = HEARTBEAT_SPAN_SECONDS,
     limit: int = HEARTBEAT_SPAN_LIMIT,
     now: float | None = None,
+    transfers: Sequence[Span] = (),
 ) -> dict[str, Any]:
     """:func:`~dask_overlap.metrics.summary.worker_metrics` plus ``recent``: the newest
-    ``limit`` spans of the last ``seconds`` of activity, none when the newest span ended
-    more than :data:`HEARTBEAT_IDLE_SECONDS` ago; packed
+    ``limit`` spans of the last ``seconds`` of activity, ``transfers`` among them, none
+    when the newest span ended more than :data:`HEARTBEAT_IDLE_SECONDS` ago; packed
     (:func:`~dask_overlap.metrics.timeline.pack`)."""
     now = time.time() if now is None else now
     out = worker_metrics(rt, now)
     spans = list(rt.timeline)
     # In completion order: the newest end is among the last few appended.
-    newest = max((s.end for s in spans[-limit:]), default=float("-inf"))
+    newest = max(
+        (s.end for s in itertools.chain(spans[-limit:], transfers[-limit:])), default=float("-inf")
+    )
     if newest < now - HEARTBEAT_IDLE_SECONDS or limit <= 0:
-        spans = []
-    out["recent"] = timeline.pack(timeline.recent(spans, newest, seconds)[-limit:])
+        spans, transfers = [], ()
+    shown = _merged(
+        timeline.recent(spans, newest, seconds), timeline.recent(transfers, newest, seconds)
+    )
+    out["recent"] = timeline.pack(shown[-limit:])
     return out
 
 
 def detail(
-    rt: Runtime, seconds: float = 10.0, limit: int = TIMELINE_LIMIT, now: float | None = None
+    rt: Runtime,
+    seconds: float = 10.0,
+    limit: int = TIMELINE_LIMIT,
+    now: float | None = None,
+    transfers: Sequence[Span] = (),
 ) -> dict[str, Any]:
     """:func:`~dask_overlap.metrics.summary.worker_metrics` plus ``timeline``: the newest
-    ``limit`` spans that ended in the last ``seconds``, as columns (``key`` a string,
-    ``stream`` -1 for the copy threads)."""
+    ``limit`` spans that ended in the last ``seconds``, ``transfers`` among them, as
+    columns (``key`` a string, ``stream`` -1 for the copy threads, -2 for transfers)."""
     now = time.time() if now is None else now
     out = worker_metrics(rt, now)
-    spans = timeline.recent(list(rt.timeline), now, seconds)
+    spans = _merged(
+        timeline.recent(list(rt.timeline), now, seconds), timeline.recent(transfers, now, seconds)
+    )
     out["timeline"] = timeline.columns(spans[-limit:] if limit > 0 else [])
     return out
 
@@ -107,11 +166,14 @@ def install_worker_metrics(worker: Worker, rt: Runtime) -> None:
     :func:`uninstall_worker_metrics`.
     """
 
+    def transfers() -> list[Span]:
+        return transfer_spans(getattr(worker, "transfer_incoming_log", ()))
+
     def entry(worker: Worker) -> dict[str, Any]:
-        return heartbeat(rt, _heartbeat_seconds(worker))
+        return heartbeat(rt, _heartbeat_seconds(worker), transfers=transfers())
 
     def handler(seconds: float = 10.0, limit: int = TIMELINE_LIMIT) -> dict[str, Any]:
-        return detail(rt, float(seconds), int(limit))
+        return detail(rt, float(seconds), int(limit), transfers=transfers())
 
     worker.metrics[METRICS_NAME] = entry
     worker.handlers[TIMELINE_HANDLER] = handler
