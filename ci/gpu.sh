@@ -112,6 +112,13 @@ run_cluster() {
     done
 }
 
+run_cross() {
+    # Issue 16: partitions crossing two workers, by protocol (tcp, ucxx) and chunks (host, device).
+    log "cross-worker bench: bench_cross.py ${CROSS_ARGS:-}"
+    timeout "${CROSS_LIMIT:-300}" python3 benchmarks/bench_cross.py --json "$OUT/cross-worker.json" \
+        ${CROSS_ARGS:-} 2>&1 | grep -v "^ \|Warning\|warn" | tail -n 30 || status=1
+}
+
 run_small() {
     # Issue 12: small partitions against the bound, host us per partition, the ring forced
     # on for the sizes under direct-bytes, and (SMALL_TOP > 0) a profile of 16 MiB partitions.
@@ -168,6 +175,7 @@ for step in "${steps[@]}"; do
         bench) run_bench ;;
         timeline) run_timeline ;;
         cluster) run_cluster ;;
+        cross) run_cross ;;
         demo) run_demo ;;
         dashboard) run_dashboard ;;
         trap) run_trap ;;
