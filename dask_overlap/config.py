@@ -142,6 +142,7 @@ class Options:
     device_pool_size: int
     device_memory_resource: str
     cpu_affinity: bool  # GPU workers keep to their GPU's cores: see dask_overlap.affinity
+    pinned_serialize: bool  # CuPy over TCP through the pinned pool: see dask_overlap.serialize
     timed: TimedModel
 
     @classmethod
@@ -186,5 +187,6 @@ class Options:
                 "device_memory_resource", get("device_memory_resource"), DEVICE_MEMORY_RESOURCES
             ),
             cpu_affinity=_check_bool("cpu_affinity", get("cpu_affinity")),
+            pinned_serialize=_check_bool("pinned_serialize", get("pinned_serialize")),
             timed=timed,
         )
