@@ -30,6 +30,14 @@ class Counters:
     window_capacity: int = 0  # sub-chunks the windows of the running partitions admit
     backpressure_seconds: float = 0.0
     busy_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # CuPy arrays sent and received over TCP through this runtime's pinned pool, and those
+    # that found no room in it and took distributed's own pageable path (dask_overlap.serialize)
+    serialized_pinned: int = 0
+    bytes_serialized_pinned: int = 0
+    serialize_fallbacks: int = 0
+    deserialized_pinned: int = 0
+    bytes_deserialized_pinned: int = 0
+    deserialize_fallbacks: int = 0
     _lock: threading.Lock = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False
     )
