@@ -138,6 +138,10 @@ class OverlapPlugin(WorkerPlugin):
             _live.items[worker.address] = rt
         if old is not None:  # pragma: no cover - a worker removes its old plugin first
             await asyncio.to_thread(old.close)
+        if rt.name == "cuda":  # CuPy over TCP through its pinned pool (imports CuPy: here)
+            from .serialize import register as register_serializers
+
+            register_serializers(rt)
         install_worker_metrics(worker, rt)  # heartbeat entry, dashboard handler, /metrics
         worker.log_event(self.name, {"action": "setup", "backend": rt.name})
 
