@@ -69,7 +69,7 @@ _MAX_IRREGULAR_BLOCKS = 1024
 
 
 def _axis_extents(chunks: tuple[float, ...]) -> tuple | None:
-    """One output axis's chunks, as the task carries them (see :func:`_extent`)."""
+    """One output axis's chunks, as the task carries them (see :func:`_block_shape`)."""
     known = not any(math.isnan(c) for c in chunks)
     if known and len(chunks) > 1 and len(set(chunks[:-1])) == 1:
         return ("regular", int(chunks[0]), int(chunks[-1]), len(chunks))
@@ -78,15 +78,20 @@ def _axis_extents(chunks: tuple[float, ...]) -> tuple | None:
     return None
 
 
-def _extent(axis: tuple | None, i: int) -> int | None:
-    """Block ``i``'s extent along an axis; ``None`` where it is not known (Dask's nan)."""
-    if axis is None:
-        return None
-    if axis[0] == "regular":
-        _, size, last, n = axis
-        return last if i == n - 1 else size
-    c = axis[1][i]
-    return None if math.isnan(c) else int(c)
+def _block_shape(axes: tuple[tuple | None, ...], block_id: tuple[int, ...]) -> tuple:
+    """Block ``block_id``'s shape from its axes as the task carries them (see
+    :func:`_axis_extents`); ``None`` for an extent not known (Dask's nan, or an irregular
+    axis of too many blocks). One loop: it runs for every partition."""
+    shape = []
+    for axis, i in zip(axes, block_id, strict=True):
+        if axis is None:
+            shape.append(None)
+        elif axis[0] == "regular":
+            shape.append(axis[2] if i == axis[3] - 1 else axis[1])
+        else:
+            c = axis[1][i]
+            shape.append(None if math.isnan(c) else int(c))
+    return tuple(shape)
 
 
 class _PartitionTask:
@@ -149,9 +154,7 @@ class _PartitionTask:
             kwargs = dict(kwargs, block_id=block_id)
         out_shape = None
         if self.out_chunks is not None and block_id is not None:
-            out_shape = tuple(
-                _extent(axis, i) for axis, i in zip(self.out_chunks, block_id, strict=True)
-            )
+            out_shape = _block_shape(self.out_chunks, block_id)
         spec = PartitionSpec(
             key=(self.key_name, *(block_id or ())),
             array_positions=self.array_positions,

@@ -18,7 +18,15 @@ import numpy as np
 
 from .engine import Plan, plan_sub_chunks
 
-__all__ = ["AUTO_IN_FLIGHT", "AUTO_MIN_BYTES", "Layout", "along", "auto_sub_chunk_bytes", "layout"]
+__all__ = [
+    "AUTO_IN_FLIGHT",
+    "AUTO_MIN_BYTES",
+    "Layout",
+    "along",
+    "auto_sub_chunk_bytes",
+    "layout",
+    "whole",
+]
 
 #: ``sub-chunk-bytes: auto`` aims at this many sub-chunks in flight on a runtime in all...
 AUTO_IN_FLIGHT = 4
@@ -42,11 +50,17 @@ class Layout:
     plan: Plan
     axes: dict[int, int | None]
     out_axis: int | None  # the split axis in the output (``None``: not split)
+    #: Whether the partition is cut into more than one sub-chunk (asked per partition and
+    #: per sub-chunk: a field, not a call to ``len(plan)``).
+    cut: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cut", len(self.plan.sub_chunks) > 1)
 
     def inputs(self, args: list[Any], i: int) -> list[Any]:
         """Sub-chunk ``i``'s slice of each array argument, in ``axes`` order."""
-        if len(self.plan) == 1:
-            return [args[p] for p in self.axes]
+        if not self.cut:
+            return list(map(args.__getitem__, self.axes))
         sub = self.plan.sub_chunks[i]
         return [
             args[p] if ax is None else args[p][along(ax, sub.start, sub.stop)]
@@ -55,14 +69,14 @@ class Layout:
 
     def out_slice(self, out: Any, i: int) -> Any:
         """Sub-chunk ``i``'s part of the partition's output ``out``."""
-        if len(self.plan) == 1:
+        if not self.cut:
             return out
         sub = self.plan.sub_chunks[i]
         return out[along(self.out_axis, sub.start, sub.stop)]
 
     def out_shape(self, sub_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The partition's output shape, from one sub-chunk's result shape."""
-        if self.out_axis is None or len(self.plan) == 1:
+        if self.out_axis is None or not self.cut:
             return tuple(sub_shape)
         shape = list(sub_shape)
         shape[self.out_axis] = self.plan.extent
@@ -71,16 +85,17 @@ class Layout:
     def expected_out_bytes(self, i: int, shape: tuple | None, dtype: Any) -> int | None:
         """Bytes of sub-chunk ``i``'s output, from what the array declares (``None``:
         not known: an extent or the dtype is unknown)."""
-        if shape is None or dtype is None or any(e is None for e in shape):
+        if shape is None or dtype is None or None in shape:
             return None
-        dims = list(shape)
-        if self.out_axis is not None and len(self.plan) > 1:
+        if self.out_axis is not None and self.cut:
+            dims = list(shape)
             dims[self.out_axis] = self.plan.sub_chunks[i].extent
-        return math.prod(dims) * np.dtype(dtype).itemsize
+            shape = dims
+        return math.prod(shape) * np.dtype(dtype).itemsize
 
     def block_info(self, info: dict | None, i: int) -> dict | None:
         """The partition's ``block_info``, narrowed to sub-chunk ``i``."""
-        if len(self.plan) == 1 or info is None:
+        if not self.cut or info is None:
             return info
         sub = self.plan.sub_chunks[i]
         info = copy.deepcopy(info)
@@ -125,6 +140,13 @@ def _whole(extent: int, positions: tuple[int, ...]) -> Layout:
     return Layout(plan_sub_chunks(extent, 0, 0, None), dict.fromkeys(positions), None)
 
 
+def whole(args: list[Any], positions: tuple[int, ...]) -> Layout:
+    """The layout of a partition that is not cut (no ``split_axis``): nothing to size and
+    nothing that can fail, so no name for errors either."""
+    first = args[positions[0]] if positions else None
+    return _whole(first.shape[0] if first is not None and first.ndim else 1, positions)
+
+
 def layout(
     args: list[Any],
     positions: tuple[int, ...],
@@ -137,8 +159,7 @@ def layout(
     """Cut a partition: ``split_axis`` is in the index space of the inputs (the highest
     input ``ndim``, as Dask aligns them); ``where`` names the partition in errors."""
     if split_axis is None:
-        first = args[positions[0]] if positions else None
-        return _whole(first.shape[0] if first is not None and first.ndim else 1, positions)
+        return whole(args, positions)
     k = split_axis
     # Dask aligns blocks by position, not shape: inputs may disagree along k. Only an
     # extent of 1 broadcasts; any other mismatch cannot be cut into common sub-chunks.

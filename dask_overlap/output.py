@@ -28,12 +28,12 @@ class PartitionOutput:
     """The output of one partition (see the module docstring); safe to use from the
     threads that enqueue its sub-chunks."""
 
-    def __init__(self, backend: Backend, lay: Layout, spec: Any, split: bool, where: str):
+    __slots__ = ("_lock", "array", "backend", "fallbacks", "lay", "ready", "spec")
+
+    def __init__(self, backend: Backend, lay: Layout, spec: Any):
         self.backend = backend
         self.lay = lay
         self.spec = spec
-        self.split = split
-        self.where = where
         self.array: Any = None
         self.ready: Any = None  # out="device": a mark made after allocating the array
         self.fallbacks = 0  # out="pinned" past the pool's bound for held results
@@ -51,15 +51,15 @@ class PartitionOutput:
                     self.array,
                     spec.out_split_axis,
                     self.lay.plan.sub_chunks[i],
-                    self.split,
-                    self.where,
+                    self.lay.cut,
+                    spec.key,
                 )
                 return self.lay.out_slice(self.array, i)
             shape = self.lay.out_shape(result.shape)
             check_declared(
-                spec.func_name, shape, result.dtype, spec.out_shape, spec.out_dtype, self.where
+                spec.func_name, shape, result.dtype, spec.out_shape, spec.out_dtype, spec.key
             )
-            if not self.split and (
+            if not self.lay.cut and (
                 spec.out == "device"
                 or (
                     spec.out == "host"

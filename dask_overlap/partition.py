@@ -26,17 +26,18 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
+from .backends import Stream
 from .engine import Action, Done, Failed, Pipeline, Stage
 from .infer import refuse_block
-from .layout import Layout, auto_sub_chunk_bytes, layout
+from .layout import Layout, auto_sub_chunk_bytes, layout, whole
 from .metrics import TaskMeter, nvtx_range
 from .output import PartitionOutput
-from .results import check_split_extent, not_an_array
+from .results import check_split_extent, not_an_array, partition_name
 from .runtime import Runtime
 from .subchunks import Admission, SubChunk
 
@@ -78,25 +79,24 @@ def run_partition(
     runtime: Runtime, func: Callable[..., Any], args: tuple, kwargs: dict, spec: PartitionSpec
 ) -> Any:
     """Run ``func`` over one partition through the pipeline; return the output block."""
-    where = f"partition {spec.key!r}"
     blocks = list(args)
-    lay = _lay_out(runtime, blocks, spec, where)
-    driver = _EngineRun if len(lay.plan) > 1 else _LeanRun
-    return driver(runtime, func, blocks, kwargs, spec, lay, where).run()
+    lay = _lay_out(runtime, blocks, spec)
+    return (_EngineRun if lay.cut else _LeanRun)(runtime, func, blocks, kwargs, spec, lay).run()
 
 
-def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec, where: str) -> Layout:
+def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
     """The partition's blocks as plain arrays (in ``args``, in place), and its layout."""
     is_device = rt.backend.is_device
     for p in spec.array_positions:
         a = args[p]
         if type(a) is not np.ndarray and not is_device(a):
-            refuse_block(a, where)  # a subclass whose meaning the copies would lose
+            # A subclass whose meaning the copies would lose.
+            refuse_block(a, partition_name(spec.key))
             args[p] = np.asarray(a)
-    sub_chunk_bytes = spec.sub_chunk_bytes
     if spec.split_axis is None:
-        sub_chunk_bytes = 0  # not cut: the size does not matter
-    elif sub_chunk_bytes == "auto":
+        return whole(args, spec.array_positions)  # not cut: the size does not matter
+    sub_chunk_bytes = spec.sub_chunk_bytes
+    if sub_chunk_bytes == "auto":
         size = sum(getattr(args[p], "nbytes", 0) for p in spec.array_positions)
         # This partition and those already running share the device.
         sub_chunk_bytes = auto_sub_chunk_bytes(size, rt.counters.partitions_active + 1)
@@ -107,13 +107,34 @@ def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec, where: str) -> L
         spec.split_axis,
         spec.out_split_axis,
         int(sub_chunk_bytes),
-        where,
+        partition_name(spec.key),
     )
 
 
 class _PartitionRun:
     """One partition's state and its stages, shared by the two drivers below: what the
-    task's thread enqueues, and what it lets go of once the copies that read it completed."""
+    task's thread enqueues, and what it lets go of once the copies that read it completed.
+
+    Slotted, and no more made per partition than its path uses: a partition of small
+    blocks spends about as long building this as running its stages."""
+
+    __slots__ = (
+        "admission",
+        "args",
+        "backend",
+        "events",
+        "func",
+        "kwargs",
+        "lay",
+        "meter",
+        "output",
+        "pool",
+        "rt",
+        "spec",
+        "subs",
+        "tally",
+        "window",
+    )
 
     #: Completions coming back to the driver: only the engine's path has them (and makes
     #: the queue); the stages that post to it run on that path alone.
@@ -127,20 +148,17 @@ class _PartitionRun:
         kwargs: dict,
         spec: PartitionSpec,
         lay: Layout,
-        where: str,
     ):
+        backend = self.backend = rt.backend
         self.rt = rt
-        self.backend = rt.backend
-        self.pool = rt.backend.pinned
+        self.pool = backend.pinned
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.spec = spec
         self.lay = lay
-        self.where = where
-        self.split = len(lay.plan) > 1
-        self.admission = Admission(
-            self.backend,
+        self.admission = admission = Admission(
+            backend,
             rt.options.direct_bytes,
             lay,
             args,
@@ -148,39 +166,41 @@ class _PartitionRun:
             spec.out_shape,
             spec.out_dtype,
         )
-        self.subs = [self.admission.sub_chunk(i) for i in range(len(lay.plan))]
-        self.output = PartitionOutput(self.backend, lay, spec, self.split, where)
-        self.used_streams: dict[int, Any] = {}
-        self.failed: set[int] = set()
+        n = len(lay.plan.sub_chunks)
+        self.subs = [admission.sub_chunk(i) for i in range(n)]
+        self.output = PartitionOutput(backend, lay, spec)
         # Tallies of this partition, flushed into the runtime's counters once, at its end
         # (one locked update, not one per stage); kept by the driver thread only.
         self.tally = dict.fromkeys(("bytes_staged", "bytes_h2d", "bytes_d2h", "bytes_unstaged"), 0)
-        self.meter = TaskMeter(spec.key, self.backend.name)
+        self.meter = TaskMeter(spec.key, backend.name)
         # Sub-chunks this partition may have in flight at once; while it runs, they count
         # in the runtime's window_capacity.
-        self.window = min(spec.in_flight, len(self.subs))
+        self.window = min(spec.in_flight, n)
+
+    @property
+    def where(self) -> str:
+        """How errors name this partition (formatted only for an error)."""
+        return partition_name(self.spec.key)
 
     def _admit(self, i: int) -> bool:
         """The engine's question: may sub-chunk ``i`` start now? (see Admission.admit)"""
         return self.admission.admit(i, self.subs[i])
 
-    def _settle(self, failed: bool, max_window: int, **amounts: float) -> None:
+    def _settle(self, failed: bool, max_window: int, amounts: dict[str, float]) -> None:
         """This partition's tallies into the runtime's counters, in one locked update (both
         paths), plus what the path itself adds in ``amounts``; fallbacks to the meter."""
-        fallbacks = self.output.fallbacks + sum(sub.fallbacks for sub in self.subs)
-        self.rt.counters.settle(
-            dict(
-                self.tally,
-                partitions_failed=int(failed),
-                sub_chunks=len(self.subs),
-                pinned_fallbacks=fallbacks,
-                ring_full=self.admission.ring_full,
-                **amounts,
-            ),
-            max_window,
-            self.meter.busy,
-        )
-        self.meter.fallback(fallbacks)
+        fallbacks = self.output.fallbacks
+        for sub in self.subs:
+            fallbacks += sub.fallbacks
+        tally = self.tally
+        tally.update(amounts)
+        tally["partitions_failed"] = int(failed)
+        tally["sub_chunks"] = len(self.subs)
+        tally["pinned_fallbacks"] = fallbacks
+        tally["ring_full"] = self.admission.ring_full
+        self.rt.counters.settle(tally, max_window, self.meter.busy)
+        if fallbacks:
+            self.meter.fallback(fallbacks)
 
     def _raise(self, error: BaseException) -> None:
         """Re-raise a partition's failure; an out-of-memory error says where and how much."""
@@ -197,20 +217,6 @@ class _PartitionRun:
     # -- the stages -------------------------------------------------------------------
     def _post(self, event: Done | Failed) -> None:
         self.events.put(event)
-
-    def _callback(self, i: int, stage: Stage, fn: Callable[..., None]) -> Callable[..., None]:
-        """``fn`` to be called back from another thread for sub-chunk ``i``: should it raise,
-        the sub-chunk fails with that error, rather than leave the driver waiting for an
-        event that would never come."""
-
-        def call(*args: Any) -> None:
-            try:
-                fn(*args)
-            except BaseException as e:
-                self.failed.add(i)
-                self.events.put(Failed(stage, i, e))
-
-        return call
 
     def _stage_copies(self, i: int) -> list[tuple[Any, Any]]:
         """Sub-chunk ``i``'s staging copies, into blocks taken from its ring room (the
@@ -236,23 +242,6 @@ class _PartitionRun:
         self.rt.copies.run(copies, fn)
         sub.spans.append((stage.name.lower(), t0, time.time(), sum(s.nbytes for s, _ in copies)))
 
-    def _host_copy(self, i: int, stage: Stage, copies: list, fn: Callable) -> None:
-        """``copies`` of sub-chunk ``i`` on the copy threads; ``stage`` is done when all are
-        (a Done event, from the thread that finished the last piece)."""
-        sub = self.subs[i]
-        nbytes = sum(src.nbytes for src, _ in copies)
-        t0 = time.time()
-
-        def done(error: BaseException | None) -> None:
-            if error is not None:
-                self.failed.add(i)
-                self._post(Failed(stage, i, error))
-                return
-            sub.spans.append((stage.name.lower(), t0, time.time(), nbytes))
-            self._post(Done(stage, i))
-
-        self.rt.copies.copy(copies, fn, self._callback(i, stage, done))  # overlapped
-
     def _device_work(self, i: int, stream: Any) -> Callable[[], None]:
         """What enqueues sub-chunk ``i``'s H2D, COMPUTE and D2H on ``stream``, with a mark
         around each (run in the stream's order, by :meth:`Stream.submit` or ``run``)."""
@@ -265,7 +254,9 @@ class _PartitionRun:
         def work() -> None:
             with nvtx_range(backend.name, self.spec.key, i, "device"):
                 marks = [mark(stream)]
-                dev = [backend.copy_in(stream, x) for x in sub.inputs]
+                dev = []
+                for x in sub.inputs:
+                    dev.append(backend.copy_in(stream, x))
                 marks.append(mark(stream))
                 sub.stage_now = Stage.COMPUTE
                 args = list(self.args)
@@ -291,7 +282,7 @@ class _PartitionRun:
         plan_sub = self.lay.plan.sub_chunks[i]
         if spec.out_split_axis is not None:
             check_split_extent(
-                spec.func_name, spec.split_axis, spec.out_split_axis, result, plan_sub, self.where
+                spec.func_name, spec.split_axis, spec.out_split_axis, result, plan_sub, spec.key
             )
         dest = self.output.slot(i, result, stream, sub.direct)
         if dest is None:  # the result is the partition's output: nothing to copy
@@ -350,9 +341,9 @@ class _PartitionRun:
         sub.res = sub.ring_out = sub.dest = None
         sub.spans = []
 
-    def _wait_streams(self) -> None:
-        """Block until all work this partition put on its streams has completed."""
-        used = list(self.used_streams.values())
+    def _wait_streams(self, streams: Iterable[Stream]) -> None:
+        """Block until all work this partition put on ``streams`` has completed."""
+        used = list(streams)
         done = threading.Semaphore(0)
         for s in used:
             s.on_complete(lambda _error: done.release())
@@ -362,6 +353,8 @@ class _PartitionRun:
 
 class _LeanRun(_PartitionRun):
     """The driver of a partition of one sub-chunk (see :meth:`run`)."""
+
+    __slots__ = ()
 
     def run(self) -> Any:
         """A partition of one sub-chunk: nothing of it can overlap anything else of it, so
@@ -380,14 +373,15 @@ class _LeanRun(_PartitionRun):
         )
         stream = error = None
         try:
-            while not self._admit(0):  # no room: this partition holds none while it waits
+            # (A sub-chunk that reserves no ring room, as a direct one, is admitted at once.)
+            while sub.need != 0 and not self._admit(0):
+                # No room: this partition holds none while it waits.
                 t0 = time.perf_counter()
                 self.pool.wait_for_room(self.admission.waiting_for, _RING_POLL_SECONDS)
                 meter.backpressure += time.perf_counter() - t0
-            if any(sub.to_stage):
+            if not sub.direct and any(sub.to_stage):
                 self._copy_now(sub, Stage.STAGING, self._stage_copies(0), self.backend.stage)
             stream = sub.stream = rt.acquire_stream()
-            self.used_streams[id(stream)] = stream
             try:
                 stream.run(self._device_work(0, stream))
             finally:
@@ -405,18 +399,21 @@ class _LeanRun(_PartitionRun):
         except BaseException as e:  # func's Ctrl-C too: drained, counted, re-raised
             error = e
             if stream is not None:
-                self._wait_streams()  # nothing is dropped before the stream is done with it
+                # Nothing is dropped before the stream is done with it.
+                self._wait_streams((stream,))
             self.output.array = None
         finally:
             self._drop(0)
             self._settle(
                 error is not None,
                 1,
-                partitions_active=-1,
-                window_capacity=-self.window,
-                in_flight=-1,
-                device_bytes_in_flight=-sub.h2d_bytes,
-                backpressure_seconds=meter.backpressure,
+                {
+                    "partitions_active": -1,
+                    "window_capacity": -self.window,
+                    "in_flight": -1,
+                    "device_bytes_in_flight": -sub.h2d_bytes,
+                    "backpressure_seconds": meter.backpressure,
+                },
             )
             meter.digest()  # in this thread: context_meter is a ContextVar
         if error is not None:
@@ -428,10 +425,14 @@ class _EngineRun(_PartitionRun):
     """The driver of a partition of several sub-chunks: the engine decides what starts
     when, and the stages' completions come back to this thread as its events."""
 
+    __slots__ = ("failed", "leased", "used_streams")
+
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.events: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
         self.leased: set[int] = set()  # sub-chunks holding a stream lease
+        self.used_streams: dict[int, Stream] = {}
+        self.failed: set[int] = set()  # sub-chunks a stage of which failed
 
     def run(self) -> Any:
         counters = self.rt.counters
@@ -484,7 +485,7 @@ class _EngineRun(_PartitionRun):
             failed = pipe.error is not None or not pipe.done
             if failed:
                 # Nothing is dropped before the streams are done with it.
-                self._wait_streams()
+                self._wait_streams(self.used_streams.values())
                 for i in self.leased:  # sub-chunks that failed on the device or in D2H
                     self.rt.release_stream(self.subs[i].stream)
                 self.leased.clear()
@@ -494,8 +495,7 @@ class _EngineRun(_PartitionRun):
             self._settle(
                 pipe.error is not None,
                 pipe.max_in_flight,
-                in_flight=-in_flight,
-                backpressure_seconds=waited,
+                {"in_flight": -in_flight, "backpressure_seconds": waited},
             )
         if pipe.error is not None:
             self._raise(pipe.error)
@@ -535,6 +535,37 @@ class _EngineRun(_PartitionRun):
             if sub.ring_out is not None:
                 self.tally["bytes_unstaged"] += sub.ring_out.nbytes
             self._record(i)
+
+    def _callback(self, i: int, stage: Stage, fn: Callable[..., None]) -> Callable[..., None]:
+        """``fn`` to be called back from another thread for sub-chunk ``i``: should it raise,
+        the sub-chunk fails with that error, rather than leave the driver waiting for an
+        event that would never come."""
+
+        def call(*args: Any) -> None:
+            try:
+                fn(*args)
+            except BaseException as e:
+                self.failed.add(i)
+                self.events.put(Failed(stage, i, e))
+
+        return call
+
+    def _host_copy(self, i: int, stage: Stage, copies: list, fn: Callable) -> None:
+        """``copies`` of sub-chunk ``i`` on the copy threads; ``stage`` is done when all are
+        (a Done event, from the thread that finished the last piece)."""
+        sub = self.subs[i]
+        nbytes = sum(src.nbytes for src, _ in copies)
+        t0 = time.time()
+
+        def done(error: BaseException | None) -> None:
+            if error is not None:
+                self.failed.add(i)
+                self._post(Failed(stage, i, error))
+                return
+            sub.spans.append((stage.name.lower(), t0, time.time(), nbytes))
+            self._post(Done(stage, i))
+
+        self.rt.copies.copy(copies, fn, self._callback(i, stage, done))  # overlapped
 
     def _stage(self, i: int) -> None:
         """Copy sub-chunk ``i``'s pageable inputs into its ring room, in parallel pieces."""

@@ -2,7 +2,9 @@
 
 A block whose dtype or shape differs from what the dask array declares would make Dask's
 array lie about its own chunks, so every sub-chunk's result is checked before it is
-copied out; the messages say what ``func`` returned and what was expected.
+copied out; the messages say what ``func`` returned and what was expected. The checks
+take the partition's Dask key and name it (:func:`partition_name`) only in an error: a
+small partition's whole run costs a few times what formatting its name would.
 """
 
 from __future__ import annotations
@@ -13,7 +15,24 @@ import numpy as np
 
 from .engine import SubChunk
 
-__all__ = ["check_declared", "check_like_first", "check_split_extent", "not_an_array"]
+__all__ = [
+    "check_declared",
+    "check_like_first",
+    "check_split_extent",
+    "not_an_array",
+    "partition_name",
+]
+
+
+def partition_name(key: Any) -> str:
+    """How errors name the partition of Dask key ``key``.
+
+    Examples
+    --------
+    >>> partition_name(("negative-1f2e", 3, 0))
+    "partition ('negative-1f2e', 3, 0)"
+    """
+    return f"partition {key!r}"
 
 
 def not_an_array(func_name: str, raw: Any, where: str) -> TypeError:
@@ -21,15 +40,16 @@ def not_an_array(func_name: str, raw: Any, where: str) -> TypeError:
 
 
 def check_split_extent(
-    func_name: str, split_axis: int, out_axis: int, result: Any, sub: SubChunk, where: str
+    func_name: str, split_axis: int, out_axis: int, result: Any, sub: SubChunk, key: Any
 ) -> None:
     """A row-independent ``func`` keeps the extent of the split axis."""
     got = result.shape[out_axis] if result.ndim > out_axis else None
     if got != sub.extent:
         raise ValueError(
             f"split_axis={split_axis} requires {func_name} to keep the extent of output axis "
-            f"{out_axis}: sub-chunk rows [{sub.start}:{sub.stop}] of {where} gave an output of "
-            f"shape {tuple(result.shape)}, expected extent {sub.extent} along axis {out_axis}"
+            f"{out_axis}: sub-chunk rows [{sub.start}:{sub.stop}] of {partition_name(key)} gave "
+            f"an output of shape {tuple(result.shape)}, expected extent {sub.extent} along axis "
+            f"{out_axis}"
         )
 
 
@@ -39,7 +59,7 @@ def check_declared(
     dtype: Any,
     want_shape: tuple[int | None, ...] | None,
     want_dtype: Any,
-    where: str,
+    key: Any,
 ) -> None:
     """The output block must be what the dask array says it is, or Dask's array lies."""
     dtype_ok = want_dtype is None or dtype == want_dtype or np.dtype(dtype) == np.dtype(want_dtype)
@@ -56,7 +76,7 @@ def check_declared(
     shown = "?" if want_shape is None else tuple("?" if w is None else w for w in want_shape)
     raise ValueError(
         f"{func_name} returned dtype {np.dtype(dtype)} and shape {shape} for "
-        f"{where}, but the output array declares dtype "
+        f"{partition_name(key)}, but the output array declares dtype "
         f"{'?' if want_dtype is None else np.dtype(want_dtype)} and shape {shown} for "
         "this block: pass dtype= and chunks= (or meta=) to map_blocks as func returns them"
     )
@@ -69,7 +89,7 @@ def check_like_first(
     out_axis: int | None,
     sub: SubChunk,
     split: bool,
-    where: str,
+    key: Any,
 ) -> None:
     """Every sub-chunk's result matches the partition's output (made from the first one)."""
     expected = list(out.shape)
@@ -79,6 +99,6 @@ def check_like_first(
     if result.dtype != out.dtype or got != expected:
         raise ValueError(
             f"{func_name} returned dtype {result.dtype} and shape {tuple(result.shape)} for "
-            f"sub-chunk rows [{sub.start}:{sub.stop}] of {where}, but another sub-chunk gave "
-            f"dtype {out.dtype} and shape {tuple(expected)}"
+            f"sub-chunk rows [{sub.start}:{sub.stop}] of {partition_name(key)}, but another "
+            f"sub-chunk gave dtype {out.dtype} and shape {tuple(expected)}"
         )

@@ -17,6 +17,7 @@ import atexit
 import collections
 import copy
 import dataclasses
+import functools
 import threading
 import time
 import warnings
@@ -47,6 +48,11 @@ class Span(NamedTuple):
     start: float
     end: float
     nbytes: int
+
+
+#: ``Span(*fields)`` from a tuple of them, made in C: the namedtuple's own ``__new__`` is
+#: a Python function, and every partition records a span per stage.
+_span = functools.partial(tuple.__new__, Span)
 
 
 class Runtime:
@@ -114,10 +120,10 @@ class Runtime:
     ) -> None:
         """Keep one sub-chunk's stage spans (stage, start, end, bytes; ``time.time()``) on
         the timeline. (Their busy seconds reach the counters with the partition's tallies.)"""
-        j = self.stream_index(stream)
+        j = self._index.get(id(stream), -1)  # (stream_index, for every partition)
         append = self.timeline.append
         for stage, start, end, nbytes in spans:
-            append(Span(key, sub, -1 if stage in HOST_STAGES else j, stage, start, end, nbytes))
+            append(_span((key, sub, -1 if stage in HOST_STAGES else j, stage, start, end, nbytes)))
 
     def stats(self) -> dict[str, Any]:
         """Counters plus the pools' current occupancy (see :func:`runtime_stats`)."""
@@ -177,6 +183,11 @@ def process_runtime(backend: str) -> Runtime:
     """
     name = resolve_backend(backend)
     settings = _settings()
+    # Asked by every partition task: the usual answer without the lock (a runtime closed
+    # just after this read is one closed just after the locked read would have returned).
+    rt = _runtimes.items.get(name)
+    if rt is not None and not rt.closed and rt.settings == settings:
+        return rt
     with _runtimes.lock:
         rt = _runtimes.items.get(name)
         if rt is not None and not rt.closed and rt.settings != settings:

@@ -75,6 +75,20 @@ class Admission:
         The partition spec's ``out`` mode and what the output declares for this block.
     """
 
+    __slots__ = (
+        "_pinned",
+        "args",
+        "backend",
+        "direct_bytes",
+        "lay",
+        "out",
+        "out_dtype",
+        "out_shape",
+        "pool",
+        "ring_full",
+        "waiting_for",
+    )
+
     def __init__(
         self,
         backend: Backend,
@@ -100,8 +114,14 @@ class Admission:
     def sub_chunk(self, i: int) -> SubChunk:
         """Sub-chunk ``i``: its inputs, and which of them go through the ring."""
         inputs = self.lay.inputs(self.args, i)
-        on_device = [self.backend.is_device(x) for x in inputs]
-        h2d = sum(x.nbytes for x, dev in zip(inputs, on_device, strict=True) if not dev)
+        is_device = self.backend.is_device
+        on_device = []
+        h2d = 0  # bytes copied in: what is not on the device already
+        for x in inputs:
+            dev = is_device(x)
+            on_device.append(dev)
+            if not dev:
+                h2d += x.nbytes
         if self._direct(i, h2d):
             sub = SubChunk(inputs, [False] * len(inputs), h2d)
             sub.need, sub.direct = 0, True
