@@ -155,19 +155,21 @@ class _PartitionTask:
         out_shape = None
         if self.out_chunks is not None and block_id is not None:
             out_shape = _block_shape(self.out_chunks, block_id)
+        # In the fields' order, not by keyword: twelve keywords cost a dataclass's
+        # __init__ more than the rest of the spec does, and this runs per partition.
         spec = PartitionSpec(
-            key=(self.key_name, *(block_id or ())),
-            array_positions=self.array_positions,
-            ndim=self.ndim,
-            split_axis=self.split_axis,
-            out_split_axis=self.out_split_axis,
-            sub_chunk_bytes=self.sub_chunk_bytes,
-            in_flight=self.in_flight,
-            block_info=block_info,
-            func_name=self.key_name,
-            out_shape=out_shape,
-            out_dtype=self.out_dtype,
-            out=self.out_mode,
+            (self.key_name, *(block_id or ())),  # key
+            self.array_positions,
+            self.ndim,
+            self.split_axis,
+            self.out_split_axis,
+            self.sub_chunk_bytes,
+            self.in_flight,
+            block_info,
+            self.key_name,  # func_name
+            out_shape,
+            self.out_dtype,
+            self.out_mode,  # out
         )
         return run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
 

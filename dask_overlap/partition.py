@@ -167,11 +167,11 @@ class _PartitionRun:
             spec.out_dtype,
         )
         n = len(lay.plan.sub_chunks)
-        self.subs = [admission.sub_chunk(i) for i in range(n)]
+        self.subs = list(map(admission.sub_chunk, range(n)))
         self.output = PartitionOutput(backend, lay, spec)
         # Tallies of this partition, flushed into the runtime's counters once, at its end
         # (one locked update, not one per stage); kept by the driver thread only.
-        self.tally = dict.fromkeys(("bytes_staged", "bytes_h2d", "bytes_d2h", "bytes_unstaged"), 0)
+        self.tally = {"bytes_staged": 0, "bytes_h2d": 0, "bytes_d2h": 0, "bytes_unstaged": 0}
         self.meter = TaskMeter(spec.key, backend.name)
         # Sub-chunks this partition may have in flight at once; while it runs, they count
         # in the runtime's window_capacity.
