@@ -188,7 +188,8 @@ class _PartitionRun:
 
     def _settle(self, failed: bool, max_window: int, amounts: dict[str, float]) -> None:
         """This partition's tallies into the runtime's counters, in one locked update (both
-        paths), plus what the path itself adds in ``amounts``; fallbacks to the meter."""
+        paths), plus what the path itself adds in ``amounts`` (counters other than the
+        tally's own, which it would replace); fallbacks to the meter."""
         fallbacks = self.output.fallbacks
         for sub in self.subs:
             fallbacks += sub.fallbacks
