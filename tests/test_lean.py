@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -297,3 +298,24 @@ def test_the_process_runtime_is_found_without_its_lock_until_the_settings_change
         again = runtime.process_runtime("host")
     assert again is not rt and rt.closed and len(again.streams) == len(rt.streams) + 1
     assert lock.taken == 2
+
+
+NO_PLUGIN = """
+import sys, dask, dask.array as da, numpy as np, dask_overlap
+x = da.from_array(np.arange(600.0).reshape(6, 100), chunks=(1, 100))
+got = dask_overlap.map_blocks(np.negative, x).compute(scheduler="sync")
+assert (got == -np.arange(600.0).reshape(6, 100)).all()
+print("distributed" in sys.modules, "dask_overlap.plugin" in sys.modules)
+"""
+
+
+def test_tasks_outside_a_worker_leave_the_plugin_module_alone():
+    """Dask imports distributed on a first compute; a partition task still asks the
+    plugin module for a worker's runtime only where that module was imported (a worker
+    with an OverlapPlugin has it), so that each task does not pay for a get_worker() that
+    raises."""
+    done = subprocess.run(
+        [sys.executable, "-c", NO_PLUGIN], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]
