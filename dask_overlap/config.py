@@ -20,7 +20,7 @@ from dask.utils import parse_bytes
 __all__ = ["BACKENDS", "Options", "TimedModel", "check_positive_int", "check_bytes"]
 
 BACKENDS = ("auto", "cuda", "host", "timed")
-DEVICE_MEMORY_RESOURCES = ("async", "pool")
+DEVICE_MEMORY_RESOURCES = ("auto", "async", "pool")
 
 _here = os.path.dirname(__file__)
 with open(os.path.join(_here, "overlap.yaml")) as f:

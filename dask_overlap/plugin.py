@@ -21,6 +21,7 @@ from .config import Options
 from .metrics.worker import install_worker_metrics, uninstall_worker_metrics
 from .process import Registry
 from .runtime import Runtime
+from .ucx import device_memory_resource
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -132,7 +133,11 @@ class OverlapPlugin(WorkerPlugin):
         return f"{type(self).__name__}(backend={self.options.backend!r})"
 
     async def setup(self, worker: Worker) -> None:
-        rt = await asyncio.to_thread(Runtime, self.options)
+        options = self.options  # "auto" device memory: what this worker's protocol can send
+        resource = device_memory_resource(options.device_memory_resource, worker.address)
+        if resource != options.device_memory_resource:
+            options = dataclasses.replace(options, device_memory_resource=resource)
+        rt = await asyncio.to_thread(Runtime, options)
         with _live.lock:
             old = _live.items.pop(worker.address, None)
             _live.items[worker.address] = rt

@@ -37,6 +37,7 @@ from dask_overlap.ucx import (
     GPU_TRANSPORTS,
     UCXSettings,
     check_protocol,
+    device_memory_resource,
     protocols,
     ucx_settings,
 )
@@ -61,12 +62,24 @@ def add_to_host(a: Any, b: Any) -> np.ndarray:
     return out if isinstance(out, np.ndarray) else out.get()
 
 
+def upstream_resource() -> str:
+    """The kind of RMM resource under this process's statistics adaptor."""
+    import rmm
+
+    return type(rmm.mr.get_current_device_resource().upstream_mr).__name__
+
+
 def incoming_transfers(dask_worker: Any) -> int:
     return dask_worker.state.transfer_incoming_count_total
 
 
 def env_of(key: str) -> str | None:
     return os.environ.get(key)
+
+
+def device_resource_of(dask_worker: Any) -> str:
+    """The device memory resource the worker's plugin built its runtime with."""
+    return dask_worker.plugins["overlap"].runtime(dask_worker).options.device_memory_resource
 
 
 @pytest.fixture
@@ -237,6 +250,24 @@ def test_local_gpu_cluster_protocol_reaches_scheduler_and_workers(protocol: str)
         got, expected = client.compute([dask_overlap.map_blocks(func, x), func(x)], sync=True)
         np.testing.assert_array_equal(got, expected)
         assert all(s["partitions"] > 0 for s in client.run(runtime_stats).values())
+        # overlap.device-memory-resource "auto" (the default): CUDA's async pool off UCX
+        assert set(client.run(device_resource_of).values()) == {"async"}
+
+
+def test_auto_device_memory_resource_is_pool_only_on_ucx() -> None:
+    assert dask.config.get("overlap.device-memory-resource") == "auto"
+    for address, resource in [
+        ("ucxx://10.0.0.1:40000", "pool"),
+        ("ucx://10.0.0.1:40000", "pool"),
+        ("tcp://10.0.0.1:40000", "async"),
+        ("ws://10.0.0.1:40000", "async"),
+        (None, "async"),
+    ]:
+        assert device_memory_resource("auto", address) == resource, address
+    for chosen in ("async", "pool"):  # a named resource is kept, on UCX too
+        assert device_memory_resource(chosen, "ucxx://10.0.0.1:40000") == chosen
+    with pytest.raises(ValueError, match="device_memory_resource must be one of auto, async"):
+        Options.from_config(device_memory_resource="cudaMalloc")
 
 
 def test_ucx_settings_reach_the_worker_processes() -> None:
@@ -314,6 +345,9 @@ def test_ucxx_cluster_computes_across_two_workers() -> None:
         assert all(w.startswith("ucxx://") for w in workers), workers
         ours = ucx_settings(gpu=True).env().get("UCX_TLS", os.environ.get("UCX_TLS"))
         assert set(client.run(env_of, "UCX_TLS").values()) == {ours}
+        # memory UCX can send by CUDA IPC: RMM's pool over cudaMalloc, not cudaMallocAsync
+        assert set(client.run(device_resource_of).values()) == {"pool"}
+        assert set(client.run(upstream_resource).values()) == {"PoolMemoryResource"}
 
         x = da.random.random((4096, 512), chunks=(256, 512))
         host = dask_overlap.map_blocks(func, x, split_axis=0)

@@ -372,8 +372,10 @@ def _device_pool(device_id: int, size: int, resource: str) -> Any:
             size = _align_up(size)
             with cupy.cuda.Device(device_id):
                 # overlap.device-memory-resource: "async" is CUDA's stream-ordered pool
-                # (cross-stream reuse tracked by the driver), "pool" RMM's own.
-                if resource == "async":
+                # (cross-stream reuse tracked by the driver), "pool" RMM's own; "auto"
+                # is async here (a UCX worker's plugin resolved it to pool already, see
+                # dask_overlap.ucx.device_memory_resource).
+                if resource != "pool":
                     pool = rmm.mr.LimitingResourceAdaptor(
                         rmm.mr.CudaAsyncMemoryResource(
                             initial_pool_size=min(size, _align_up(2 * 2**30)),
