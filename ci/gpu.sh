@@ -3,11 +3,12 @@
 # timeline, the cluster benchmark, the demo and a dashboard snapshot. Logs and JSON go to
 # $OUT (default ./bench-out), in few files (the device returns at most 8).
 #
-#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|demo|dashboard|trap]...
+#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap]...
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
-# CLUSTER_SIZE, CLUSTER_REPEAT, CLUSTER_LIMIT; tests: TESTS_LIMIT, TESTS_MARK, TESTS_PATHS.
+# CLUSTER_SIZE, CLUSTER_REPEAT, CLUSTER_LIMIT; cross (needs distributed-ucxx for ucxx): CROSS_ARGS,
+# CROSS_LIMIT; tests: TESTS_LIMIT, TESTS_MARK, TESTS_PATHS.
 #
 # Expects the carried wheels in .whl/ (../shared/gpu/fetch-wheels.sh) and installs them
 # into /tmp/site unless dask and rmm import already. Each step has its own time limit, so
@@ -181,7 +182,7 @@ for step in "${steps[@]}"; do
         trap) run_trap ;;
         small) run_small ;;
         floor) run_floor ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|demo|dashboard|trap|small|floor]..."; exit 2 ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor]..."; exit 2 ;;
     esac
 done
 log "done, status $status"
