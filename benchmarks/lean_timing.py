@@ -2,11 +2,14 @@
 
 Wraps the runner's steps (building the run, the backend's copy-in, compute and
 copy-out, the pinned pool's allocation, the stream's run and the whole partition) with
-timers, runs 16 MiB partitions (pinned input) on the synchronous scheduler, and prints
-µs per partition of wall and of the calling thread's CPU time for each. A step whose CPU
-time is close to its wall time while it waits for the GPU is spinning.
+timers, runs 16 MiB partitions (pinned input) on the synchronous scheduler (or, with
+``--threads N``, Dask's threaded one, where each step's figures are summed over the
+threads), and prints µs per partition of wall and of the calling thread's CPU time for
+each. A step whose CPU time is close to its wall time while it waits for the GPU is
+spinning; on several threads, a step whose wall grows with the threads while its CPU
+does not waits for a lock or the GIL.
 
-Run on the device: ``python3 benchmarks/lean_timing.py [--out pinned]``.
+Run on the device: ``python3 benchmarks/lean_timing.py [--out pinned] [--threads 4]``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import dask
 import numpy as np
 
 import dask_overlap
-from dask_overlap import output, partition
+from dask_overlap import array, output, partition
 from dask_overlap.backends import cuda
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -51,6 +54,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="pinned")
     p.add_argument("--partition", type=int, default=16 << 20)
+    p.add_argument("--threads", type=int, default=0, help="Dask threads (0: synchronous)")
     args = p.parse_args()
     dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": "6GiB"})
     total = 1 << 30
@@ -59,26 +63,32 @@ def main() -> None:
     x = array_of_views(host.reshape(-1, 1024), args.partition // 4096)
     f = make_kernel(1961)
     rt = dask_overlap.get_runtime("cuda")
-    for cls, names in (
+    timed_names = (
         (cuda.CudaBackend, ("copy_in", "compute", "copy_out", "mark", "resolve", "is_pinned")),
         (cuda.CudaStream, ("run",)),
         (cuda.PinnedPool, ("allocate", "reserve")),
-        (partition._PartitionRun, ("__init__", "_copy_now")),
+        (partition._PartitionRun, ("__init__", "_copy_now", "_settle", "_drop", "_admit")),
+        (partition._PartitionRun, ("_resolve_marks",)),
         (partition._LeanRun, ("run",)),
         (output.PartitionOutput, ("slot",)),
-    ):
+        (type(rt), ("acquire_stream", "release_stream", "record_spans")),
+    )
+    for cls, names in timed_names:
         for name in names:
             setattr(cls, name, timed(f"{cls.__name__}.{name}", getattr(cls, name)))
+    array.run_partition = timed("run_partition", array.run_partition)  # the task's call
+    scheduler = {"num_workers": args.threads} if args.threads else {"scheduler": "sync"}
     y = dask_overlap.map_blocks(f, x, dtype=np.float32, out=args.out)
-    dask.persist(y, scheduler="sync")  # warm
+    dask.persist(y, **scheduler)  # warm
     WALL.clear()
     CPU.clear()
     n = x.npartitions
     w0, c0 = time.perf_counter(), time.process_time()
-    dask.persist(y, scheduler="sync")
+    dask.persist(y, **scheduler)
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     print(
-        f"out={args.out}: {n} partitions, {wall / n * 1e6:.0f} us wall and "
+        f"out={args.out}, threads={args.threads or 'sync'}: {n} partitions, "
+        f"{wall / n * 1e6:.0f} us wall and "
         f"{cpu / n * 1e6:.0f} us process CPU per partition ({total / wall / 1e9:.2f} GB/s)"
     )
     for name in sorted(WALL, key=WALL.get, reverse=True):

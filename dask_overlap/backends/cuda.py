@@ -42,6 +42,7 @@ import numpy as np
 import rmm
 import rmm.mr
 from rmm.allocators.cupy import rmm_cupy_allocator
+from rmm.pylibrmm.device_buffer import DeviceBuffer
 from rmm.pylibrmm.stream import Stream as RmmStream
 
 from ..config import Options
@@ -110,7 +111,8 @@ class _Span:
 # handle: a segfault, seen on the H200 during GPU tests. A stream that is never destroyed
 # cannot be used after its destruction; reusing it costs nothing.
 # device id -> its free streams ("free"), and the one its pinned pools use ("pool"); every
-# stream made also stays in "made", so that none is ever destroyed.
+# stream made also stays in "made", so that none is ever destroyed. ("rmm", its handle)
+# -> (the RMM wrapper of a stream made here, its device), for the allocator below.
 _streams: Registry[tuple[str, int], Any] = Registry("cuda streams")
 
 
@@ -123,6 +125,7 @@ def _take_stream(device_id: int) -> Any:
         with cupy.cuda.Device(device_id):
             stream = cupy.cuda.Stream(non_blocking=True)
         _streams.items.setdefault(("made", device_id), []).append(stream)
+        _streams.items[("rmm", stream.ptr)] = (RmmStream(obj=stream), device_id)
         return stream
 
 
@@ -343,15 +346,25 @@ _device_pools: Registry[int, Any] = Registry("cuda device pools")
 def _allocate(nbytes: int) -> Any:
     """CuPy's allocator: RMM's, with the size of a failed request kept on its error.
 
-    RMM's out-of-memory error does not say how much was asked for; the runner's error does
-    (see :meth:`CudaBackend.describe_oom`).
+    On a stream of ours, what ``rmm_cupy_allocator`` does without its per-call costs: the
+    RMM wrapper of the stream is made once, when the stream is, not per allocation (from
+    a CuPy stream RMM first tries Numba's stream type, an import and an exception), and
+    the device is known, so CuPy need not ask the driver whose pointer it is. On any other
+    stream (a user's, the legacy one), ``rmm_cupy_allocator`` itself. RMM's out-of-memory
+    error does not say how much was asked for; the runner's error does (see
+    :meth:`CudaBackend.describe_oom`).
     """
     try:
-        return rmm_cupy_allocator(nbytes)
+        ours = _streams.items.get(("rmm", cupy.cuda.get_current_stream().ptr))
+        if ours is None:
+            return rmm_cupy_allocator(nbytes)
+        buf = DeviceBuffer(size=nbytes, stream=ours[0])
     except MemoryError as e:
         if getattr(e, "requested_bytes", None) is None:
             e.requested_bytes = int(nbytes)
         raise
+    mem = cupy.cuda.UnownedMemory(buf.ptr, buf.size, buf, ours[1])
+    return cupy.cuda.MemoryPointer(mem, 0)
 
 
 def _device_pool(device_id: int, size: int, resource: str) -> Any:
