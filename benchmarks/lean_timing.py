@@ -67,8 +67,10 @@ def main() -> None:
         (cuda.CudaBackend, ("copy_in", "compute", "copy_out", "mark", "resolve", "is_pinned")),
         (cuda.CudaStream, ("run",)),
         (cuda.PinnedPool, ("allocate", "reserve")),
-        (partition._PartitionRun, ("__init__", "_copy_now", "_settle", "_drop", "_admit")),
-        (partition._PartitionRun, ("_resolve_marks",)),
+        (
+            partition._PartitionRun,
+            ("__init__", "_copy_now", "_settle", "_drop", "_admit", "_resolve_marks"),
+        ),
         (partition._LeanRun, ("run",)),
         (output.PartitionOutput, ("slot",)),
         (type(rt), ("acquire_stream", "release_stream", "record_spans")),
