@@ -3,7 +3,9 @@
 Tiny partitions (64 KiB by default) and a trivial function, so that what is timed is the
 per-partition path itself, not the data: on the host backend, on Dask's synchronous
 scheduler (one thread, no scheduling noise), in one process, best of ``--repeat``. Prints
-µs per partition for both and the ratio (issue 12's target: at most 1.3).
+µs per partition for both and the ratio (issue 12's target: at most 1.3), and plain Dask
+with its low-level fusion off: Dask's bare per-task cost, which dask_overlap's tasks (not
+fused) pay too.
 
 Example::
 
@@ -30,17 +32,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_overlap import write_json  # noqa: E402
 
 
-def best_us(*arrays: da.Array, repeat: int) -> list[float]:
-    """Per array, the best µs per partition of computing all its blocks (synchronous
-    scheduler). The arrays take turns in each round, so that a slow spell of a shared
-    machine hits them alike."""
-    best = [float("inf")] * len(arrays)
+def best_us(*runs: tuple[da.Array, bool], repeat: int) -> list[float]:
+    """Per (array, fuse) run, the best µs per partition of computing all its blocks
+    (synchronous scheduler), with Dask's low-level fusion on or off. The runs take turns
+    in each round, so that a slow spell of a shared machine hits them alike."""
+    best = [float("inf")] * len(runs)
     for _ in range(repeat):
-        for k, arr in enumerate(arrays):
-            t0 = time.perf_counter()
-            dask.persist(arr, scheduler="sync")
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return [b / arr.npartitions * 1e6 for b, arr in zip(best, arrays, strict=True)]
+        for k, (arr, fuse) in enumerate(runs):
+            with dask.config.set({"optimization.fuse.active": fuse}):
+                t0 = time.perf_counter()
+                dask.persist(arr, scheduler="sync")
+                best[k] = min(best[k], time.perf_counter() - t0)
+    return [b / arr.npartitions * 1e6 for b, (arr, _) in zip(best, runs, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -62,7 +65,12 @@ def main(argv: list[str] | None = None) -> dict:
         np.negative, x, dtype=x.dtype, split_axis=0 if args.split else None
     )
     dask.persist(ours[: 4 * rows], plain[: 4 * rows], scheduler="sync")  # warm-up
-    plain_us, ours_us = best_us(plain, ours, repeat=args.repeat)
+    # Dask fuses each block's input into plain Dask's task and runs the pair as a
+    # subgraph (dask.order on every run); dask_overlap's tasks opt out of that fusion.
+    # Plain Dask with fusion off is Dask's bare per-task cost: the floor under both.
+    plain_us, ours_us, unfused_us = best_us(
+        (plain, True), (ours, True), (plain, False), repeat=args.repeat
+    )
     result = {
         "backend": "host",
         "partitions": args.partitions,
@@ -70,11 +78,14 @@ def main(argv: list[str] | None = None) -> dict:
         "dask_us_per_partition": plain_us,
         "overlap_us_per_partition": ours_us,
         "ratio": ours_us / plain_us,
+        "dask_unfused_us_per_partition": unfused_us,
+        "overlap_over_unfused": ours_us / unfused_us,
     }
     print(
         f"{args.partitions} partitions of {rows * cols * 8} bytes, synchronous scheduler: "
         f"plain Dask {plain_us:.0f} µs, dask_overlap {ours_us:.0f} µs per partition "
-        f"({result['ratio']:.2f}x)"
+        f"({result['ratio']:.2f}x); plain Dask unfused {unfused_us:.0f} µs "
+        f"(dask_overlap {result['overlap_over_unfused']:.2f}x of it)"
     )
     if args.profile:
         prof = cProfile.Profile()

@@ -20,6 +20,7 @@ import dask.array as da
 import numpy as np
 from dask.array.utils import compute_meta
 from dask.base import is_dask_collection, tokenize
+from dask.blockwise import Blockwise
 from dask.utils import funcname, has_keyword
 
 from .backends import resolve_backend
@@ -29,6 +30,11 @@ from .infer import infer_dtype, refuse_subclasses
 from .partition import OUT_MODES, PartitionSpec, run_partition
 
 __all__ = ["map_blocks"]
+
+try:  # Dask's task objects: private, but the way distributed's own P2P tasks opt out of fusion
+    from dask._task_spec import Task as _DaskTask
+except ImportError:  # pragma: no cover - an older or newer Dask: tasks stay fusable
+    _DaskTask = None
 
 _NUMERIC_KINDS = "biufc"
 
@@ -470,4 +476,34 @@ def map_blocks(
         **kwargs,
     )
     task.declare_output(result)
+    _keep_unfused(result)
     return result
+
+
+if _DaskTask is not None:
+
+    class _UnfusedTask(_DaskTask):
+        """A partition task that Dask's linear fusion leaves alone.
+
+        Dask fuses a one-dependency chain (a ``from_array`` slice, then this partition)
+        into one task that runs the chain as a subgraph, ordering it anew
+        (``dask.order``) on every run: on small partitions that costs more than this
+        library's own per-partition path (``benchmarks/host_overhead.py``), and on a
+        worker it holds the GIL the stream threads need. Distributed's P2P tasks opt
+        out the same way."""
+
+        __slots__ = ()
+
+        @property
+        def block_fusion(self) -> bool:
+            return True
+
+
+def _keep_unfused(result: da.Array) -> None:
+    """Mark the partition layer's task template so that every task made from it stays
+    its own task (``Task.substitute`` keeps the class)."""
+    layer = result.dask.layers.get(result.name)
+    if _DaskTask is None or not isinstance(layer, Blockwise) or type(layer.task) is not _DaskTask:
+        return
+    t = layer.task
+    layer.task = _UnfusedTask(t.key, t.func, *t.args, _data_producer=t.data_producer, **t.kwargs)

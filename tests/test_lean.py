@@ -319,3 +319,24 @@ def test_tasks_outside_a_worker_leave_the_plugin_module_alone():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "False"]
+
+
+def test_partition_tasks_are_not_fused_into_their_inputs_subgraph():
+    """Dask's linear fusion would run each slice of ``from_array`` and the partition as one
+    subgraph, ordered anew on every run; the partition tasks opt out. Plain Dask's tasks on
+    the same input still fuse (the check sees fusion happen), and the results agree."""
+    a, x = small()
+    ours = dask_overlap.map_blocks(np.negative, x)
+    plain = da.map_blocks(np.negative, x)
+    for arr, fused in ((ours, False), (plain, True)):
+        keys = list(dask.core.flatten(arr.__dask_keys__()))
+        dsk = arr.__dask_optimize__(arr.__dask_graph__(), keys)
+        # A fused chain is stored under a new name, the block's key an alias to it.
+        nodes = [dsk[getattr(dsk[k], "target", k)] for k in keys]
+        subgraphs = [n for n in nodes if n.has_subgraph()]
+        assert len(subgraphs) == (len(keys) if fused else 0)
+        if not fused:
+            # Each partition task, itself, with the input slice its own task beside it.
+            assert all(n.key == k and n.block_fusion for n, k in zip(nodes, keys, strict=True))
+            assert len(dsk) > len(keys)
+    np.testing.assert_array_equal(ours.compute(), -a)
