@@ -10,11 +10,16 @@ earlier run's ``y`` is left anywhere, and times, until every chunk exists, stage
 ``dask_overlap.map_blocks(add, y, other, out=CHUNKS)``:
 
 - local: ``other`` is ``y``, so each task's inputs are on its own worker;
+- local_reordered: ``other`` is ``y`` through the layer that reverses it in crossing,
+  with its blocks in their own order: all local, and the same graph shape as crossing
+  (that layer's alias tasks are a scheduling round of their own), so crossing over this
+  is what crossing workers costs;
 - crossing: ``other`` is ``y`` with its blocks reversed, so task ``i`` adds blocks ``i``
   and ``n-1-i``, which that placement puts on different workers (every pair but the
   middle one of an odd number of partitions). Each block is an input of two mirrored
   tasks, so between half and all of ``y`` moves; ``moved`` is what the workers' transfer
-  logs say.
+  logs say; for crossing, the fetches are summarised too (how many, how long each, how
+soon the first began, and the part of the stage during which one was under way).
 
 GB/s is the bytes of stage 2's two inputs (twice ``--size``) over its seconds, in both
 columns, so crossing/local is the ratio of the times. The best of ``--repeat`` runs, after
@@ -36,8 +41,10 @@ Example (issue 16's GPU check, two workers on one H200; the CPU check beside it)
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import time
 import traceback
 import uuid
 from typing import Any
@@ -87,15 +94,57 @@ def device_name() -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def bytes_received(dask_worker: Any) -> int:
-    """Run on a worker (``client.run``): bytes it has fetched from other workers so far."""
-    return sum(e["total"] for e in getattr(dask_worker, "transfer_incoming_log", ()))
+def transfer_log(dask_worker: Any) -> list[tuple[float, float, int]]:
+    """Run on a worker (``client.run``): its fetches from other workers so far, as
+    (start, stop, bytes), in the scheduler's clock."""
+    return [
+        (e["start"], e["stop"], e["total"])
+        for e in getattr(dask_worker, "transfer_incoming_log", ())
+    ]
+
+
+def transfer_summary(
+    fetches: list[tuple[float, float, int]], t0: float, seconds: float
+) -> dict[str, Any]:
+    """Where a stage's time went among its fetches: how many, how long each took (median),
+    the GB/s of one, how long after the stage began the first started, and the part of the
+    stage during which at least one was under way."""
+    if not fetches:
+        return {"fetches": 0}
+    fetches = sorted(fetches)
+    busy, end = 0.0, -math.inf
+    for start, stop, _ in fetches:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    durations = sorted(stop - start for start, stop, _ in fetches)
+    rates = sorted(n / max(stop - start, 1e-9) / 1e9 for start, stop, n in fetches)
+    return {
+        "fetches": len(fetches),
+        "fetch_seconds_median": durations[len(durations) // 2],
+        "fetch_gbps_median": rates[len(rates) // 2],
+        "first_fetch_after_seconds": fetches[0][0] - t0,
+        "fetching_fraction_of_stage": busy / seconds,
+    }
 
 
 def reverse_blocks(a: da.Array) -> da.Array:
     """``a`` with its blocks along axis 0 in reverse order (block ``i`` is ``n-1-i``)."""
-    n = a.numblocks[0]
-    return da.concatenate([a.blocks[i] for i in reversed(range(n))])
+    return reorder_blocks(a, reversed(range(a.numblocks[0])))
+
+
+def reorder_blocks(a: da.Array, order: Any) -> da.Array:
+    """``a``'s blocks along axis 0 in ``order``: a graph layer of one alias task per block,
+    which Dask schedules as tasks of their own."""
+    return da.concatenate([a.blocks[i] for i in order])
+
+
+#: Stage 2's second input, per variant: ``y`` itself, ``y`` through a reordering layer in
+#: its own order (all local, the same graph shape as crossing), or ``y`` reversed.
+VARIANTS = {
+    "local": lambda y: y,
+    "local_reordered": lambda y: reorder_blocks(y, range(y.numblocks[0])),
+    "crossing": reverse_blocks,
+}
 
 
 def skip_reason(protocol: str) -> str | None:
@@ -134,8 +183,8 @@ class Case:
         self.client, self.x, self.out, self.nbytes = client, x, out, nbytes
         ref_y = da.map_blocks(stage1, x, dtype=np.float32)
         self.reference = {
-            "local": da.map_blocks(add, ref_y, ref_y, dtype=np.float32),
-            "crossing": da.map_blocks(add, ref_y, reverse_blocks(ref_y), dtype=np.float32),
+            v: da.map_blocks(add, ref_y, other(ref_y), dtype=np.float32)
+            for v, other in VARIANTS.items()
         }
 
     def make_y(self) -> tuple[da.Array, list[set[str]]]:
@@ -150,13 +199,17 @@ class Case:
         """Stage 1, then stage 2 of ``variant`` timed; its result kept for :meth:`check`."""
         y, where = self.make_y()
         n = len(where)
-        other = y if variant == "local" else reverse_blocks(y)
-        partner = range(n) if variant == "local" else range(n - 1, -1, -1)
+        other = VARIANTS[variant](y)
+        partner = range(n - 1, -1, -1) if variant == "crossing" else range(n)
         crossed = sum(1 for i, j in zip(range(n), partner, strict=True) if not where[i] & where[j])
-        before = sum(self.client.run(bytes_received).values())
+        before = {w: len(log) for w, log in self.client.run(transfer_log).items()}
         stage2 = dask_overlap.map_blocks(add, y, other, out=self.out, dtype=np.float32)
+        t0 = time.time()
         seconds, done = persist_seconds(self.client, stage2)
-        moved = sum(self.client.run(bytes_received).values()) - before
+        fetches = [
+            f for w, log in self.client.run(transfer_log).items() for f in log[before.get(w, 0) :]
+        ]
+        moved = sum(n for _, _, n in fetches)
         spread = sorted(sum(1 for w in where if a in w) for a in set().union(*where))
         return {
             "seconds": seconds,
@@ -164,6 +217,7 @@ class Case:
             "pairs": n,
             "bytes_moved": moved,
             "y_blocks_per_worker": spread,
+            "transfers": transfer_summary(fetches, t0, seconds),
             "done": done,
         }
 
@@ -176,10 +230,10 @@ class Case:
         """One warm-up of each variant, then the best of ``repeat``; the last checked."""
         best: dict[str, dict[str, Any]] = {}
         correct = True
-        for variant in ("local", "crossing"):  # the warm-up
+        for variant in VARIANTS:  # the warm-up
             self.run(variant)
         for r in range(repeat):
-            for variant in ("local", "crossing"):
+            for variant in VARIANTS:
                 got = self.run(variant)
                 done = got.pop("done")
                 if variant not in best or got["seconds"] < best[variant]["seconds"]:
@@ -188,13 +242,20 @@ class Case:
                     correct &= self.check(variant, done)
                 del done  # frees its chunks before the next run
         local, crossing = best["local"], best["crossing"]
+        reordered = best["local_reordered"]
         inputs = 2 * self.nbytes
         local_gbps = inputs / local["seconds"] / 1e9
         crossing_gbps = inputs / crossing["seconds"] / 1e9
+        reordered_gbps = inputs / reordered["seconds"] / 1e9
         return {
             "local_gbps": local_gbps,
             "crossing_gbps": crossing_gbps,
             "crossing_over_local": crossing_gbps / local_gbps,
+            # The same graph shape as crossing (a reordering layer), all local: crossing
+            # over this is what crossing workers costs, the extra layer's round apart.
+            "local_reordered_gbps": reordered_gbps,
+            "crossing_over_local_reordered": crossing_gbps / reordered_gbps,
+            "local_reordered_bytes_moved": reordered["bytes_moved"],
             "pairs_crossed": crossing["pairs_crossed"],
             "pairs": crossing["pairs"],
             "correct": correct,
@@ -204,6 +265,7 @@ class Case:
             "bytes_moved": crossing["bytes_moved"],
             "local_bytes_moved": local["bytes_moved"],
             "y_blocks_per_worker": crossing["y_blocks_per_worker"],
+            "crossing_transfers": crossing["transfers"],
         }
 
 
@@ -268,6 +330,20 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
                 f"{r['crossing_over_local']:>12.2f}{pairs:>15}"
                 f"{format_bytes(r['bytes_moved']):>12}  {r['correct']}"
             )
+            if r.get("local_reordered_gbps") is not None:
+                lines.append(
+                    f"{'':<17}local through the same reordering layer: "
+                    f"{r['local_reordered_gbps']:.2f} GB/s; crossing over it "
+                    f"{r['crossing_over_local_reordered']:.2f}"
+                )
+            t = r.get("crossing_transfers") or {}
+            if t.get("fetches"):
+                lines.append(
+                    f"{'':<17}crossing: {t['fetches']} fetches, each "
+                    f"{t['fetch_seconds_median'] * 1e3:.1f} ms ({t['fetch_gbps_median']:.1f} GB/s) "
+                    f"median; first after {t['first_fetch_after_seconds'] * 1e3:.1f} ms; "
+                    f"fetching {t['fetching_fraction_of_stage']:.0%} of the stage"
+                )
     return lines
 
 

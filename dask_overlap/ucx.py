@@ -68,6 +68,15 @@ GPU_TRANSPORTS = ("cuda_copy", "cuda_ipc")
 _SWITCHES = ("tcp", "nvlink", "infiniband")
 _NAMESPACES = ("distributed-ucxx", "distributed.comm.ucx")
 
+# distributed's per-request byte limit on fetches from one peer (50 MB by default), on a GPU
+# worker over UCX. A worker has one request to a given peer under way at a time, each with
+# a cost of its own beside its bytes (on one H200, a lone 256 MiB or 1 GiB CuPy block moved
+# between two workers in 3.4-3.7 ms alike), so chunks of hundreds of MiB, one a request,
+# queue up behind each other: benchmarks/bench_cross.py, ucxx, device chunks of 256 MiB,
+# crossing 93.6 GB/s at 50 MB, 121.3 at 1 GiB, 128.8 at 8 GiB (one run each).
+UCX_GPU_MESSAGE_BYTES = 2**30
+_MESSAGE_BYTES_KEY = "distributed.worker.transfer.message-bytes-limit"
+
 _MISSING = (
     "{what} needs distributed-ucxx, which {why}: pip install 'dask_overlap[ucx-cuda13]' "
     "for a CUDA 13 driver (distributed-ucxx-cu13), or 'dask_overlap[ucx-cuda12]' for "
@@ -187,6 +196,8 @@ class UCXSettings:
 
     transports: tuple[str, ...]
     create_cuda_context: bool
+    #: distributed's per-request fetch limit for the workers (None: theirs as it is).
+    message_bytes_limit: int | None = None
 
     def env(self) -> dict[str, str]:
         """``UCX_*`` variables for a worker process (its environment, set before it starts
@@ -222,22 +233,30 @@ class UCXSettings:
 
     def worker_config(self) -> dict[str, Any]:
         """``dask.config`` settings for a worker process: on a GPU, the CUDA context that
-        distributed-ucxx creates before it starts UCX (as dask-cuda asks for). Our own
+        distributed-ucxx creates before it starts UCX (as dask-cuda asks for; our own
         transports include CUDA's, which makes it create one anyway; this is for
-        transports the user chose, such as ``UCX_TLS=all``.
+        transports the user chose, such as ``UCX_TLS=all``), and the fetch limit.
 
         Examples
         --------
         >>> UCXSettings((), True).worker_config()
         {'distributed-ucxx.create-cuda-context': True}
+        >>> UCXSettings((), True, 2**30).worker_config()[_MESSAGE_BYTES_KEY]
+        1073741824
         """
-        return {"distributed-ucxx.create-cuda-context": True} if self.create_cuda_context else {}
+        out: dict[str, Any] = {}
+        if self.create_cuda_context:
+            out["distributed-ucxx.create-cuda-context"] = True
+        if self.message_bytes_limit is not None:
+            out[_MESSAGE_BYTES_KEY] = self.message_bytes_limit
+        return out
 
 
 def ucx_settings(gpu: bool, environ: Mapping[str, str] | None = None) -> UCXSettings:
     """The transports of a UCX cluster: ``tcp,sm,self``, and ``cuda_copy,cuda_ipc`` when
     ``gpu``; none when ``UCX_TLS`` (in ``environ``, default ``os.environ``) or
-    distributed-ucxx's settings chose them already.
+    distributed-ucxx's settings chose them already. On a GPU, fetches of up to
+    :data:`UCX_GPU_MESSAGE_BYTES` a request, unless the user set distributed's limit.
 
     Examples
     --------
@@ -247,7 +266,16 @@ def ucx_settings(gpu: bool, environ: Mapping[str, str] | None = None) -> UCXSett
     {}
     """
     environ = os.environ if environ is None else environ
+    limit = UCX_GPU_MESSAGE_BYTES if gpu and not _user_set(_MESSAGE_BYTES_KEY) else None
     if _transports_chosen(environ):
-        return UCXSettings((), create_cuda_context=gpu)
+        return UCXSettings((), create_cuda_context=gpu, message_bytes_limit=limit)
     transports = CPU_TRANSPORTS + (GPU_TRANSPORTS if gpu else ())
-    return UCXSettings(transports, create_cuda_context=gpu)
+    return UCXSettings(transports, create_cuda_context=gpu, message_bytes_limit=limit)
+
+
+def _user_set(key: str) -> bool:
+    """Whether ``key`` differs from the default its package registered with Dask."""
+    default = None
+    for defaults in dask.config.defaults:
+        default = dask.config.get(key, default, config=defaults)
+    return dask.config.get(key, None) != default

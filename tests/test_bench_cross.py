@@ -17,6 +17,8 @@ ROW_KEYS = {
     "local_gbps",
     "crossing_gbps",
     "crossing_over_local",
+    "local_reordered_gbps",
+    "crossing_over_local_reordered",
     "pairs_crossed",
     "pairs",
     "correct",
@@ -48,9 +50,13 @@ def test_bench_cross_on_the_cpu(tmp_path, monkeypatch):
         # local variant moves nothing, and at least half of y moves when crossing.
         assert row["pairs"] == 4 and row["pairs_crossed"] == 4, row
         assert row["y_blocks_per_worker"] == [2, 2], row
-        assert row["local_bytes_moved"] == 0, row
+        assert row["local_bytes_moved"] == row["local_reordered_bytes_moved"] == 0, row
         assert written["size_bytes"] // 2 <= row["bytes_moved"] <= written["size_bytes"], row
         assert row["local_gbps"] > 0 and row["crossing_gbps"] > 0
+        # Every crossing fetch is in the transfer logs' summary.
+        fetches = row["crossing_transfers"]
+        assert 1 <= fetches["fetches"] <= 4 and fetches["first_fetch_after_seconds"] >= 0, row
+        assert 0 < fetches["fetching_fraction_of_stage"] <= 1, row
 
 
 def test_a_missing_ucx_is_skipped_with_its_reason(tmp_path, monkeypatch):

@@ -45,6 +45,10 @@ from dask_overlap.ucx import (
 CPU = dict(allow_cpu=True, cuda_visible_devices="")
 CLI_CPU = ["--allow-cpu", "--cuda-visible-devices", ""]
 GPU_UCX_TLS = "tcp,sm,self,cuda_copy,cuda_ipc"
+GPU_WORKER_CONFIG = {
+    "distributed-ucxx.create-cuda-context": True,
+    "distributed.worker.transfer.message-bytes-limit": 2**30,
+}
 INSTALL = (
     r"needs distributed-ucxx, which is not installed: "
     r"pip install 'dask_overlap\[ucx-cuda13\]' for a CUDA 13 driver \(distributed-ucxx-cu13\), "
@@ -169,9 +173,11 @@ def test_ucx_settings_are_what_the_docstring_says(monkeypatch: pytest.MonkeyPatc
     for key in ("UCX_TLS", "UCX_SOCKADDR_TLS_PRIORITY"):
         monkeypatch.delenv(key, raising=False)
     gpu = ucx_settings(gpu=True)
-    assert gpu == UCXSettings(CPU_TRANSPORTS + GPU_TRANSPORTS, create_cuda_context=True)
+    assert gpu == UCXSettings(
+        CPU_TRANSPORTS + GPU_TRANSPORTS, create_cuda_context=True, message_bytes_limit=2**30
+    )
     assert gpu.env() == {"UCX_TLS": GPU_UCX_TLS, "UCX_SOCKADDR_TLS_PRIORITY": "tcp"}
-    assert gpu.worker_config() == {"distributed-ucxx.create-cuda-context": True}
+    assert gpu.worker_config() == GPU_WORKER_CONFIG
     with dask.config.set({"distributed-ucxx.environment": {"log-level": "info"}}):
         assert gpu.config() == {
             "distributed-ucxx.environment": {
@@ -179,7 +185,7 @@ def test_ucx_settings_are_what_the_docstring_says(monkeypatch: pytest.MonkeyPatc
                 "tls": GPU_UCX_TLS,
                 "sockaddr-tls-priority": "tcp",
             },
-            "distributed-ucxx.create-cuda-context": True,
+            **GPU_WORKER_CONFIG,
         }
 
     cpu = ucx_settings(gpu=False)
@@ -207,7 +213,17 @@ def test_transports_the_user_chose_are_left_alone(
         chosen = ucx_settings(gpu=True, environ=environ)
         assert chosen.env() == {}
         # What the user had is not replaced; the CUDA context is still asked for.
-        assert chosen.config() == {"distributed-ucxx.create-cuda-context": True}
+        assert chosen.config() == GPU_WORKER_CONFIG
+
+
+def test_a_fetch_limit_the_user_set_is_kept() -> None:
+    """On a GPU over UCX, workers fetch up to 1 GiB a request from a peer, unless the user
+    set distributed's limit (in any way Dask reads its settings)."""
+    key = "distributed.worker.transfer.message-bytes-limit"
+    assert ucx_settings(gpu=True, environ={}).worker_config()[key] == 2**30
+    assert key not in ucx_settings(gpu=False, environ={}).worker_config()
+    with dask.config.set({key: "10MB"}):
+        assert key not in ucx_settings(gpu=True, environ={}).worker_config()
 
 
 def test_a_ucx_layout_carries_the_transports(fake_ucx, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,7 +236,7 @@ def test_a_ucx_layout_carries_the_transports(fake_ucx, monkeypatch: pytest.Monke
         "UCX_TLS": GPU_UCX_TLS,
         "UCX_SOCKADDR_TLS_PRIORITY": "tcp",
     }
-    assert gpu.worker_config() == {"distributed-ucxx.create-cuda-context": True}
+    assert gpu.worker_config() == GPU_WORKER_CONFIG
     with gpu.comm_config():
         assert dask.config.get("distributed-ucxx.environment.tls") == GPU_UCX_TLS
         assert dask.config.get("distributed-ucxx.create-cuda-context") is True
@@ -331,6 +347,10 @@ def test_worker_protocol_flag_reaches_the_worker(tmp_path: Path) -> None:
 
 
 # -- on the GPU, with distributed-ucxx ---------------------------------------------------
+def message_bytes_limit(dask_worker: Any) -> float:
+    return dask_worker.state.transfer_message_bytes_limit
+
+
 @pytest.mark.gpu
 def test_ucxx_cluster_computes_across_two_workers() -> None:
     pytest.importorskip("distributed_ucxx")
@@ -348,6 +368,8 @@ def test_ucxx_cluster_computes_across_two_workers() -> None:
         # memory UCX can send by CUDA IPC: RMM's pool over cudaMalloc, not cudaMallocAsync
         assert set(client.run(device_resource_of).values()) == {"pool"}
         assert set(client.run(upstream_resource).values()) == {"PoolMemoryResource"}
+        # device chunks are fetched several to a request (see UCX_GPU_MESSAGE_BYTES)
+        assert set(client.run(message_bytes_limit).values()) == {2**30}
 
         x = da.random.random((4096, 512), chunks=(256, 512))
         host = dask_overlap.map_blocks(func, x, split_axis=0)
