@@ -1,4 +1,5 @@
-"""One CuPy block moved between two workers on one GPU over UCX, timed per size (#16).
+"""One block (CuPy, or NumPy with ``--host``) moved between two workers on one GPU over
+UCX, timed per size (#16).
 
 Prints, per block size, the seconds of the dependent task and the fetch's duration and
 GB/s from the receiving worker's transfer log. UCX's own variables (``UCX_PROTO_INFO=y``
@@ -19,7 +20,11 @@ from distributed import Client, wait
 import dask_overlap
 
 
-def make(nbytes: int):
+def make(nbytes: int, host: bool):
+    if host:
+        import numpy
+
+        return numpy.ones(nbytes // 4, dtype="float32")
     import cupy
 
     return cupy.ones(nbytes // 4, dtype="float32")
@@ -38,6 +43,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="16MiB,256MiB,256MiB,256MiB,1GiB,1GiB")
     p.add_argument("--protocol", default="ucxx")
+    p.add_argument("--host", action="store_true", help="NumPy blocks, not CuPy ones")
     args = p.parse_args()
     cluster = dask_overlap.LocalGPUCluster(
         n_workers=2, threads_per_worker=4, protocol=args.protocol
@@ -45,7 +51,7 @@ def main() -> None:
     with cluster, Client(cluster) as client:
         a, b = sorted(client.scheduler_info()["workers"])
         for size in [parse_bytes(s) for s in args.sizes.split(",")]:
-            block = client.submit(make, size, workers=[a], pure=False)
+            block = client.submit(make, size, args.host, workers=[a], pure=False)
             wait(block)
             t0 = time.perf_counter()
             got = client.submit(nbytes, block, workers=[b], pure=False).result()
