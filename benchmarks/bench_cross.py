@@ -19,7 +19,7 @@ earlier run's ``y`` is left anywhere, and times, until every chunk exists, stage
   middle one of an odd number of partitions). Each block is an input of two mirrored
   tasks, so between half and all of ``y`` moves; ``moved`` is what the workers' transfer
   logs say; for crossing, the fetches are summarised too (how many, how long each, how
-soon the first began, and the part of the stage during which one was under way).
+  soon the first began, and the part of the stage during which one was under way).
 
 GB/s is the bytes of stage 2's two inputs (twice ``--size``) over its seconds, in both
 columns, so crossing/local is the ratio of the times. The best of ``--repeat`` runs, after
@@ -41,8 +41,8 @@ Example (issue 16's GPU check, two workers on one H200; the CPU check beside it)
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -56,6 +56,9 @@ from dask.utils import format_bytes, parse_bytes
 from distributed import Client, wait
 
 import dask_overlap
+from dask_overlap.metrics.timeline import busy_wall_seconds
+from dask_overlap.metrics.worker import transfer_spans
+from dask_overlap.runtime import Span
 from dask_overlap.ucx import check_protocol, is_ucx, require_ucx
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -94,36 +97,27 @@ def device_name() -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def transfer_log(dask_worker: Any) -> list[tuple[float, float, int]]:
-    """Run on a worker (``client.run``): its fetches from other workers so far, as
-    (start, stop, bytes), in the scheduler's clock."""
-    return [
-        (e["start"], e["stop"], e["total"])
-        for e in getattr(dask_worker, "transfer_incoming_log", ())
-    ]
+def fetches_of(dask_worker: Any) -> list[Span]:
+    """Run on a worker (``client.run``): its fetches from other workers so far, as the
+    dashboard's transfer spans (in the scheduler's clock)."""
+    return transfer_spans(getattr(dask_worker, "transfer_incoming_log", ()))
 
 
-def transfer_summary(
-    fetches: list[tuple[float, float, int]], t0: float, seconds: float
-) -> dict[str, Any]:
+def transfer_summary(fetches: list[Span], t0: float, seconds: float) -> dict[str, Any]:
     """Where a stage's time went among its fetches: how many, how long each took (median),
     the GB/s of one, how long after the stage began the first started, and the part of the
     stage during which at least one was under way."""
     if not fetches:
         return {"fetches": 0}
-    fetches = sorted(fetches)
-    busy, end = 0.0, -math.inf
-    for start, stop, _ in fetches:
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    durations = sorted(stop - start for start, stop, _ in fetches)
-    rates = sorted(n / max(stop - start, 1e-9) / 1e9 for start, stop, n in fetches)
     return {
         "fetches": len(fetches),
-        "fetch_seconds_median": durations[len(durations) // 2],
-        "fetch_gbps_median": rates[len(rates) // 2],
-        "first_fetch_after_seconds": fetches[0][0] - t0,
-        "fetching_fraction_of_stage": busy / seconds,
+        "fetch_seconds_median": statistics.median(f.end - f.start for f in fetches),
+        "fetch_gbps_median": statistics.median(
+            f.nbytes / max(f.end - f.start, 1e-9) / 1e9 for f in fetches
+        ),
+        "first_fetch_after_seconds": min(f.start for f in fetches) - t0,
+        "fetching_fraction_of_stage": busy_wall_seconds([(f.start, f.end) for f in fetches])
+        / seconds,
     }
 
 
@@ -202,14 +196,14 @@ class Case:
         other = VARIANTS[variant](y)
         partner = range(n - 1, -1, -1) if variant == "crossing" else range(n)
         crossed = sum(1 for i, j in zip(range(n), partner, strict=True) if not where[i] & where[j])
-        before = {w: len(log) for w, log in self.client.run(transfer_log).items()}
+        before = {w: len(log) for w, log in self.client.run(fetches_of).items()}
         stage2 = dask_overlap.map_blocks(add, y, other, out=self.out, dtype=np.float32)
         t0 = time.time()
         seconds, done = persist_seconds(self.client, stage2)
         fetches = [
-            f for w, log in self.client.run(transfer_log).items() for f in log[before.get(w, 0) :]
+            f for w, log in self.client.run(fetches_of).items() for f in log[before.get(w, 0) :]
         ]
-        moved = sum(n for _, _, n in fetches)
+        moved = sum(f.nbytes for f in fetches)
         spread = sorted(sum(1 for w in where if a in w) for a in set().union(*where))
         return {
             "seconds": seconds,

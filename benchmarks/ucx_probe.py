@@ -18,6 +18,7 @@ from dask.utils import format_bytes, parse_bytes
 from distributed import Client, wait
 
 import dask_overlap
+from dask_overlap.metrics.worker import transfer_spans
 
 
 def make(nbytes: int, host: bool):
@@ -34,9 +35,10 @@ def nbytes(x) -> int:
     return int(x.nbytes)
 
 
-def last_fetch(dask_worker) -> dict:
-    log = list(dask_worker.transfer_incoming_log)
-    return {k: log[-1][k] for k in ("duration", "total", "bandwidth")} if log else {}
+def last_fetch(dask_worker) -> tuple[float, int]:
+    """Run on a worker: seconds and bytes of its newest fetch from another worker."""
+    spans = transfer_spans(list(dask_worker.transfer_incoming_log)[-1:])
+    return (spans[0].end - spans[0].start, spans[0].nbytes) if spans else (0.0, 0)
 
 
 def main() -> None:
@@ -56,11 +58,10 @@ def main() -> None:
             t0 = time.perf_counter()
             got = client.submit(nbytes, block, workers=[b], pure=False).result()
             seconds = time.perf_counter() - t0
-            fetch = client.run(last_fetch, workers=[b])[b]
+            took, moved = client.run(last_fetch, workers=[b])[b]
             print(
                 f"{format_bytes(got):>10}: task {seconds * 1e3:7.2f} ms; fetch "
-                f"{fetch.get('duration', 0) * 1e3:7.2f} ms, "
-                f"{fetch.get('total', 0) / max(fetch.get('duration', 1e-9), 1e-9) / 1e9:7.1f} GB/s",
+                f"{took * 1e3:7.2f} ms, {moved / max(took, 1e-9) / 1e9:7.1f} GB/s",
                 flush=True,
             )
             del block
