@@ -22,6 +22,7 @@ this partition used has completed, so no asynchronous copy can outlive its buffe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -47,6 +48,7 @@ __all__ = ["OUT_MODES", "PartitionSpec", "run_partition"]
 OUT_MODES = ("host", "pinned", "device")
 #: How long a submitter that holds nothing waits for ring room before it looks again.
 _RING_POLL_SECONDS = 1.0
+_KEPT = contextlib.nullcontext()
 
 
 @dataclasses.dataclass(slots=True)  # one per task: slots, not frozen, are cheap to make
@@ -251,9 +253,12 @@ class _PartitionRun:
         if self.spec.block_info is not None:
             kwargs = dict(kwargs, block_info=self.lay.block_info(self.spec.block_info, i))
         mark = backend.mark
+        # Device memory that ends with the partition may come from the backend's cache;
+        # a result left on the device does not.
+        scratch = _KEPT if self.spec.out == "device" else backend.scratch()
 
         def work() -> None:
-            with nvtx_range(backend.name, self.spec.key, i, "device"):
+            with nvtx_range(backend.name, self.spec.key, i, "device"), scratch:
                 marks = [mark(stream)]
                 dev = []
                 for x in sub.inputs:

@@ -36,6 +36,8 @@ __all__ = ["Runtime", "Span", "close_runtimes", "idle_stats", "process_runtime",
 TIMELINE_LENGTH = 20_000
 HOST_STAGES = ("staging", "unstaging")  # run by the copy threads, not on a stream
 CLOSE_DRAIN_SECONDS = 30.0  # how long close() waits for partitions still running
+#: How often an idle runtime gives the backend's cached device memory back (see _trimmer).
+TRIM_SECONDS = 0.5
 
 
 class Span(NamedTuple):
@@ -89,6 +91,28 @@ class Runtime:
         self.warned = False
         # The most recent stage spans, newest last: the assembly line as it ran.
         self.timeline: collections.deque[Span] = collections.deque(maxlen=TIMELINE_LENGTH)
+        self._stopped = threading.Event()
+        self._trimmer = threading.Thread(
+            target=self._trim_when_idle, name=f"overlap-{self.name}-trim", daemon=True
+        )
+        self._trimmer.start()
+
+    def _trim_when_idle(self) -> None:
+        """Every TRIM_SECONDS, while no partition has run since the last look, the
+        backend's cached device memory goes back to its pool (``Backend.trim``): the cache
+        serves partitions that follow each other closely, and holds nothing for long
+        once they stop (blocks a failed partition's traceback kept come back to it when
+        collected, and go back from there at the next look)."""
+        seen = -1
+        while not self._stopped.wait(TRIM_SECONDS):
+            counters = self.counters
+            started = counters.partitions
+            if started == seen and counters.partitions_active == 0:
+                try:
+                    self.backend.trim()
+                except Exception:  # a broken device: the partitions will say so
+                    pass
+            seen = started
 
     def acquire_stream(self) -> Stream:
         """Lease the least-loaded stream of the pool (ties go round-robin)."""
@@ -159,6 +183,8 @@ class Runtime:
         deadline = time.monotonic() + timeout
         while self.counters.partitions_active and time.monotonic() < deadline:
             time.sleep(0.01)
+        self._stopped.set()
+        self._trimmer.join()
         self.copies.close()
         for s in self.streams:
             s.close()

@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
-from support import GPU_CONFIG, GPU_POOL, require_gpu
+from support import GPU_CONFIG, GPU_POOL, poll, require_gpu
 
 import dask_overlap
 
 cp = require_gpu()
 
+from dask_overlap.backends import cuda  # noqa: E402
 from dask_overlap.backends.cuda import CudaBackend, _rows, guard_kernel_pickling  # noqa: E402
 from dask_overlap.partition import PartitionSpec, run_partition  # noqa: E402
 
@@ -250,6 +251,7 @@ def test_200_partitions_no_growth() -> None:
         func(affine, views(x[:640], 64), split_axis=0).compute(), affine(x[:640])
     )
     gc.collect()
+    rt.backend.trim()  # the scratch cache's blocks back to the device pool
     pinned0, device0 = rt.stats()["pinned_bytes_in_use"], rt.backend.device_bytes_in_use()
     reserved0 = rt.backend.pinned.reserved()
     for _ in range(2):
@@ -260,9 +262,43 @@ def test_200_partitions_no_growth() -> None:
         gc.collect()
     stats = rt.stats()
     assert stats["pinned_bytes_in_use"] == pinned0 == 0
-    assert rt.backend.device_bytes_in_use() <= device0
+    # What the scratch cache kept goes back once the runtime has been idle a while.
+    poll(lambda: rt.backend.device_bytes_in_use() <= device0, 10, "the device back to its baseline")
     assert rt.backend.pinned.reserved() == reserved0
     assert stats["in_flight"] == 0 and stats["device_bytes_in_flight"] == 0
+
+
+def _cached_bytes_seen(rt: Any, out: str) -> list[int]:
+    """The scratch cache's bytes in use, as ``func`` sees them, per partition."""
+    cache = cuda._scratch_caches.items[rt.backend.device_id]
+    seen: list[int] = []
+
+    def func(b: Any) -> Any:
+        if isinstance(b, cp.ndarray) and b.size:  # (not a call that infers the dtype)
+            seen.append(cache.used_bytes())
+        return b * 2 + 1
+
+    x = np.arange(8 * 1024 * 256, dtype=np.float32).reshape(8 * 1024, 256)
+    y = dask_overlap.map_blocks(func, views(x, 1024), dtype=x.dtype, out=out)
+    got = y.compute(scheduler="threads", num_workers=4)
+    np.testing.assert_array_equal(cp.asnumpy(got) if out == "device" else got, x * 2 + 1)
+    return seen
+
+
+def test_scratch_cache_serves_a_partition_and_empties_when_idle() -> None:
+    rt = runtime()
+    seen = _cached_bytes_seen(rt, "host")
+    # Each partition's device input (1 MiB) came from the cache.
+    assert len(seen) == 8 and min(seen) >= 2**20
+    cache = cuda._scratch_caches.items[rt.backend.device_id]
+    poll(lambda: cache.total_bytes() == 0, 10, "the scratch cache emptied once idle")
+
+
+def test_results_left_on_the_device_do_not_come_from_the_scratch_cache() -> None:
+    rt = runtime()
+    rt.backend.trim()
+    seen = _cached_bytes_seen(rt, "device")
+    assert seen == [0] * 8
 
 
 def test_completion_only_after_copy_lands() -> None:

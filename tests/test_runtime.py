@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 import dask
@@ -12,6 +13,9 @@ import pytest
 from support import wait_until_idle
 
 import dask_overlap
+from dask_overlap import runtime as runtime_module
+from dask_overlap.config import Options
+from dask_overlap.partition import PartitionSpec, run_partition
 
 # These tests watch the ring with tiny arrays: every sub-chunk goes through it.
 pytestmark = pytest.mark.usefixtures("ring_only")
@@ -392,3 +396,39 @@ def test_a_pool_block_that_fails_to_come_gives_its_room_back(monkeypatch):
         room.take(200)
     room.close()
     assert pool.in_use == 0 and pool.held == 0
+
+
+def test_cached_device_memory_goes_back_only_once_the_runtime_is_idle(monkeypatch):
+    """The runtime asks its backend to trim (give cached device memory back) when no
+    partition has run for a while, never while one runs."""
+    monkeypatch.setattr(runtime_module, "TRIM_SECONDS", 0.02)
+    rt = runtime_module.Runtime(Options.from_config(backend="host"))
+    trims: list[int] = []
+    monkeypatch.setattr(rt.backend, "trim", lambda: trims.append(rt.counters.partitions_active))
+    try:
+        started, release = threading.Event(), threading.Event()
+
+        def slow(b):
+            started.set()
+            release.wait(10)
+            return -b
+
+        spec = PartitionSpec(("x", 0), (0,), 1, None, None, "auto", 2)
+        done: list = []
+        worker = threading.Thread(
+            target=lambda: done.append(run_partition(rt, slow, (np.arange(4.0),), {}, spec))
+        )
+        worker.start()
+        assert started.wait(10)
+        trims.clear()  # (any trim before the partition started)
+        time.sleep(0.3)  # fifteen looks while it runs
+        assert trims == []
+        release.set()
+        worker.join(10)
+        np.testing.assert_array_equal(done[0], -np.arange(4.0))
+        deadline = time.monotonic() + 10
+        while not trims and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert trims and set(trims) == {0}
+    finally:
+        rt.close()

@@ -13,6 +13,7 @@ calls, so it is not part of this interface.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import weakref
@@ -75,6 +76,13 @@ class Backend(Protocol):
 
     def is_pinned(self, x: np.ndarray) -> bool:
         """Whether host array ``x`` lives in pinned memory (no staging needed)."""
+
+    def scratch(self) -> contextlib.AbstractContextManager[None]:
+        """Entered around stream work whose device memory is all let go of when its
+        partition ends: the backend may serve it from a cache (emptied by :meth:`trim`)."""
+
+    def trim(self) -> None:
+        """Give cached device memory back to the device pool (no partition runs now)."""
 
     def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Host copy of pageable ``src`` into pinned ``dst`` (runs on a copy thread)."""

@@ -7,6 +7,7 @@ pools run and are tested on machines with no GPU.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ from .base import HostPool, OnDone, requested_bytes
 __all__ = ["HostBackend", "HostStream"]
 
 _STOP = object()
+_NO_CACHE = contextlib.nullcontext()
 
 
 def _run(fn: Callable[[], Any], on_done: OnDone, exclusive: Any) -> None:
@@ -109,6 +111,12 @@ class HostBackend:
 
     def is_device(self, x: Any) -> bool:
         return False
+
+    def scratch(self) -> contextlib.AbstractContextManager[None]:
+        return _NO_CACHE  # device memory is host memory here: nothing to cache
+
+    def trim(self) -> None:
+        pass
 
     def is_pinned(self, x: np.ndarray) -> bool:
         return self.pinned.owns(x)
