@@ -47,6 +47,11 @@ def cases(rt: Any, nbytes: int) -> dict[str, Callable[[Any, dict], None]]:
 
         return fn
 
+    def scratch(stream: Any, state: dict) -> None:
+        with backend.scratch():  # the runner's scope for out="host" and "pinned"
+            a = cupy.empty((n,), np.float32)
+        del a
+
     def pinned_block(stream: Any, state: dict) -> None:
         block = backend.pinned.allocate(nbytes)
         del block  # back to the pool (weakref.finalize)
@@ -87,6 +92,7 @@ def cases(rt: Any, nbytes: int) -> dict[str, Callable[[Any, dict], None]]:
 
     return {
         "cupy.empty, our allocator": empty(None),
+        "cupy.empty, our scratch cache": scratch,
         "cupy.empty, rmm_cupy_allocator": empty(rmm_cupy_allocator),
         "cupy.empty, CuPy MemoryAsyncPool": empty(async_pool.malloc),
         "cupy.empty, CuPy MemoryPool": empty(cupy_pool.malloc),

@@ -132,6 +132,22 @@ def without_marks(fn):
         cuda.CudaBackend.mark, _PartitionRun._resolve_marks = mark, resolve
 
 
+def without_caches(fn):
+    """``fn()`` with the cuda backend's caches off: every device allocation from RMM (no
+    scratch cache), every pinned block back to RMM when given back (none kept)."""
+    import contextlib
+
+    from dask_overlap.backends import cuda
+
+    scratch, keep = cuda.CudaBackend.scratch, cuda.PinnedPool._keep
+    cuda.CudaBackend.scratch = lambda self: contextlib.nullcontext()
+    cuda.PinnedPool._keep = lambda self, nbytes, ptr: self.mr.deallocate(ptr, nbytes, self._stream)
+    try:
+        return fn()
+    finally:
+        cuda.CudaBackend.scratch, cuda.PinnedPool._keep = scratch, keep
+
+
 def unfused(fn):
     """``fn()`` with Dask's low-level task fusion off."""
     with dask.config.set({"optimization.fuse.active": False}):
@@ -181,6 +197,10 @@ def cases() -> dict:
     got["nomarks4"] = (
         "dask_overlap out=pinned, 4 threads, no stage marks",
         lambda y=y: without_marks(lambda: dask.persist(y, num_workers=4)),
+    )
+    got["nocache4"] = (
+        "dask_overlap out=pinned, 4 threads, no device or pinned caches",
+        lambda y=y: without_caches(lambda: dask.persist(y, num_workers=4)),
     )
     y = dask_overlap.map_blocks(f, x, dtype=np.float32)
     got["host4"] = ("dask_overlap out=host, 4 threads", lambda y=y: dask.persist(y, num_workers=4))
