@@ -177,8 +177,11 @@ class PinnedPool(HostPool):
         self._stream: Any = None
         # nbytes -> addresses of blocks given back, for the next request of that size
         self._kept: dict[int, list[int]] = {}
+        # Their bytes (charged as RMM charges them); updated without a lock, so only a
+        # hint (see _from_rmm).
+        self._kept_bytes = 0
+        self._size = size = _align_up(self.limit)
         if self.limit > 0:
-            size = _align_up(self.limit)
             with cupy.cuda.Device(device_id):
                 self.mr = rmm.mr.PoolMemoryResource(
                     rmm.mr.PinnedHostMemoryResource(),
@@ -202,6 +205,7 @@ class PinnedPool(HostPool):
             raise MemoryError("the pinned pool has size 0")
         try:
             ptr = self._kept[nbytes].pop()  # (list.pop is atomic: no lock needed)
+            self._kept_bytes -= _align_up(nbytes)
         except (KeyError, IndexError):
             ptr = self._from_rmm(nbytes)
         view = np.frombuffer(cupy.cuda.PinnedMemoryPointer(_Span(ptr, nbytes), 0), np.uint8, nbytes)
@@ -210,6 +214,10 @@ class PinnedPool(HostPool):
         return view, functools.partial(self._keep, nbytes, ptr)
 
     def _from_rmm(self, nbytes: int) -> int:
+        if self.in_use + self._kept_bytes > self._size:
+            # What is charged (this block included) and what is kept do not fit together:
+            # the kept blocks go back first, rather than RMM failing (and logging it).
+            self._release_kept()
         try:
             with self._device:
                 return self.mr.allocate(nbytes, self._stream)
@@ -224,6 +232,7 @@ class PinnedPool(HostPool):
 
     def _keep(self, nbytes: int, ptr: int) -> None:
         self._kept.setdefault(nbytes, []).append(ptr)
+        self._kept_bytes += _align_up(nbytes)
 
     def _release_kept(self) -> int:
         """Give every kept block back to RMM; how many there were."""
@@ -235,6 +244,7 @@ class PinnedPool(HostPool):
                 except IndexError:
                     break
                 self.mr.deallocate(ptr, nbytes, self._stream)
+                self._kept_bytes -= _align_up(nbytes)
                 released += 1
         return released
 
