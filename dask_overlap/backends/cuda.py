@@ -23,8 +23,9 @@ What each piece is for, and the orderings it relies on:
   per sub-chunk. CuPy's allocator is process-global, so this pool is too: it is created by
   the first backend and kept for the life of the process (arrays made from it may outlive
   any runtime). Work whose device memory ends with its partition (every ``out`` but
-  ``"device"``) allocates inside :meth:`CudaBackend.scratch`, from a cache over that pool
-  that makes no call into RMM or the driver, emptied into it when no partition runs.
+  ``"device"``) allocates inside :meth:`CudaBackend.scratch`: blocks of up to 32 MiB come
+  from a cache over that pool that makes no call into RMM or the driver, emptied into it
+  once no partition has run for a moment.
 
 Nothing here touches CUDA at import time; everything is created by :class:`CudaBackend`.
 """
@@ -64,6 +65,11 @@ _STOP = object()
 _SPARE_MARKS = 1024
 #: Arrays whose pinnedness is remembered (see CudaBackend.is_pinned).
 _PINNED_ROOTS = 4096
+#: The largest block the caches serve (device scratch, kept pinned blocks): a call into
+#: RMM costs tens of microseconds, which matters beside the copy of a block of a few MiB
+#: and not beside one of 64 MiB (about a millisecond over PCIe); and blocks of the large
+#: sizes that change with the partitions running would fragment the pools they keep.
+_CACHED_BYTES = 32 * 2**20
 
 
 def _align_up(n: int) -> int:
@@ -153,10 +159,11 @@ def _pool_stream(device_id: int) -> Any:
 class PinnedPool(HostPool):
     """A :class:`HostPool` whose blocks are pinned memory from an RMM pool.
 
-    A block given back is kept for the next request of its size (every partition of an
-    array asks for the same sizes), so that the usual block costs no call into RMM, which
-    releases the GIL and, with four threads at it, waits for it back: 55 µs a block
-    where one thread takes 13 (``benchmarks/call_costs.py``, H200). Kept blocks are
+    A block of up to 32 MiB given back is kept for the next request of its size (every
+    partition of an array asks for the same sizes; a quarter of the pool at most), so
+    that the usual small block costs no call into RMM, where calls from several threads
+    wait for each other: 55 µs a block with four threads at it, where one thread takes
+    13 (``benchmarks/call_costs.py``, H200). Kept blocks are
     still RMM's, inside its fixed size: when RMM cannot serve a request, they all go
     back to it and it is asked again. The pool's budget (``HostPool``) is charged as
     before, so kept blocks never count as in use.
@@ -231,8 +238,12 @@ class PinnedPool(HostPool):
             raise MemoryError(f"pinned pool could not serve {nbytes} bytes: {e}") from e
 
     def _keep(self, nbytes: int, ptr: int) -> None:
+        charged = _align_up(nbytes)
+        if nbytes > _CACHED_BYTES or self._kept_bytes + charged > self._size // 4:
+            self.mr.deallocate(ptr, nbytes, self._stream)  # (a quarter of the pool at most)
+            return
         self._kept.setdefault(nbytes, []).append(ptr)
-        self._kept_bytes += _align_up(nbytes)
+        self._kept_bytes += charged
 
     def _release_kept(self) -> int:
         """Give every kept block back to RMM; how many there were."""
@@ -413,14 +424,15 @@ class _Scratch:
     """Entered around work whose device memory is all let go of when its partition ends
     (``out`` other than ``"device"``): its inputs, ``func``'s temporaries and results.
 
-    Inside it, CuPy allocations on a stream of ours come from a cache, CuPy's own
-    ``MemoryPool`` over the RMM resource: a block freed goes back to the cache of the
-    stream it was allocated on, and the next allocation of that size on that stream
-    takes it, with no call into RMM or the driver. On four threads such a call costs 5
-    µs where an RMM allocation costs 160 (``benchmarks/call_costs.py``, H200): a call
-    that releases the GIL waits for it back behind the other threads. The cache only
-    ever holds blocks of work that has ended, so it is emptied into RMM whenever no
-    partition runs (:meth:`CudaBackend.trim`), and when RMM is short of memory.
+    Inside it, CuPy allocations of up to 32 MiB (``_CACHED_BYTES``) on a stream of ours
+    come from a cache, CuPy's own ``MemoryPool`` over the RMM resource: a block freed
+    goes back to the cache of the stream it was allocated on, and the next allocation of
+    that size on that stream takes it, with no call into RMM or the driver. On four
+    threads such a call costs 10 µs of wall where an RMM allocation costs 130-190
+    (``benchmarks/call_costs.py``, H200): calls into RMM and the driver from several
+    threads wait for each other. The cache only ever holds blocks of work that has
+    ended, so it is emptied into RMM once no partition has run for a moment (the
+    runtime's trimmer calls :meth:`CudaBackend.trim`), and when RMM is short of memory.
     """
 
     __slots__ = ()
@@ -485,7 +497,7 @@ def _allocate(nbytes: int) -> Any:
         ours = _current_ours()
         if ours is None:
             return rmm_cupy_allocator(nbytes)
-        if _scope.on:
+        if _scope.on and nbytes <= _CACHED_BYTES:
             cache = _scratch_caches.items.get(ours[1])
             if cache is not None:
                 return cache.malloc(nbytes)
