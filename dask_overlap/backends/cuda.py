@@ -160,7 +160,8 @@ class PinnedPool(HostPool):
     """A :class:`HostPool` whose blocks are pinned memory from an RMM pool.
 
     A block of up to 32 MiB given back is kept for the next request of its size (every
-    partition of an array asks for the same sizes; a quarter of the pool at most), so
+    partition of an array asks for the same sizes), when the pool has room for many of
+    them (kept blocks take a quarter of it at most, so that they cannot fragment it), so
     that the usual small block costs no call into RMM, where calls from several threads
     wait for each other: 55 µs a block with four threads at it, where one thread takes
     13 (``benchmarks/call_costs.py``, H200). Kept blocks are
@@ -239,8 +240,12 @@ class PinnedPool(HostPool):
 
     def _keep(self, nbytes: int, ptr: int) -> None:
         charged = _align_up(nbytes)
-        if nbytes > _CACHED_BYTES or self._kept_bytes + charged > self._size // 4:
-            self.mr.deallocate(ptr, nbytes, self._stream)  # (a quarter of the pool at most)
+        if (
+            nbytes > _CACHED_BYTES
+            or charged * 64 > self._size  # a pool with room for few such blocks
+            or self._kept_bytes + charged > self._size // 4
+        ):
+            self.mr.deallocate(ptr, nbytes, self._stream)
             return
         self._kept.setdefault(nbytes, []).append(ptr)
         self._kept_bytes += charged
