@@ -36,7 +36,8 @@ __all__ = ["Runtime", "Span", "close_runtimes", "idle_stats", "process_runtime",
 TIMELINE_LENGTH = 20_000
 HOST_STAGES = ("staging", "unstaging")  # run by the copy threads, not on a stream
 CLOSE_DRAIN_SECONDS = 30.0  # how long close() waits for partitions still running
-#: How often an idle runtime gives the backend's cached device memory back (see _trimmer).
+#: How often the runtime looks whether it is idle, to give the backend's cached device
+#: memory back (see Runtime._trim_when_idle).
 TRIM_SECONDS = 0.5
 
 
@@ -98,11 +99,11 @@ class Runtime:
         self._trimmer.start()
 
     def _trim_when_idle(self) -> None:
-        """Every TRIM_SECONDS, while no partition has run since the last look, the
-        backend's cached device memory goes back to its pool (``Backend.trim``): the cache
-        serves partitions that follow each other closely, and holds nothing for long
-        once they stop (blocks a failed partition's traceback kept come back to it when
-        collected, and go back from there at the next look)."""
+        """Every TRIM_SECONDS, when no partition runs and none has started since the last
+        look, the backend's cached device memory goes back to its pool (``Backend.trim``):
+        the cache serves partitions that follow each other closely, and holds nothing for
+        long once they stop (blocks a failed partition's traceback kept come back to it
+        when collected, and go back from there at the next look)."""
         seen = -1
         while not self._stopped.wait(TRIM_SECONDS):
             counters = self.counters

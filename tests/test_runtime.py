@@ -10,7 +10,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from support import wait_until_idle
+from support import poll, wait_until_idle
 
 import dask_overlap
 from dask_overlap import runtime as runtime_module
@@ -426,9 +426,7 @@ def test_cached_device_memory_goes_back_only_once_the_runtime_is_idle(monkeypatc
         release.set()
         worker.join(10)
         np.testing.assert_array_equal(done[0], -np.arange(4.0))
-        deadline = time.monotonic() + 10
-        while not trims and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert trims and set(trims) == {0}
+        poll(lambda: trims, 10, "a trim once idle")
+        assert set(trims) == {0}
     finally:
         rt.close()

@@ -164,10 +164,10 @@ class PinnedPool(HostPool):
     them (kept blocks take a quarter of it at most, so that they cannot fragment it), so
     that the usual small block costs no call into RMM, where calls from several threads
     wait for each other: 55 µs a block with four threads at it, where one thread takes
-    13 (``benchmarks/call_costs.py``, H200). Kept blocks are
-    still RMM's, inside its fixed size: when RMM cannot serve a request, they all go
-    back to it and it is asked again. The pool's budget (``HostPool``) is charged as
-    before, so kept blocks never count as in use.
+    13 (``benchmarks/call_costs.py``, H200). Kept blocks are still RMM's, inside its
+    fixed size: when RMM cannot serve a request, they all go back to it and it is asked
+    again. The pool's budget (``HostPool``) is charged as before, so kept blocks never
+    count as in use.
 
     Parameters
     ----------
