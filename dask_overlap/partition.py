@@ -51,6 +51,10 @@ _RING_POLL_SECONDS = 1.0
 _KEPT = contextlib.nullcontext()
 
 
+def _no_mark(stream: Any) -> None:
+    """A partition not timed on the device marks nothing."""
+
+
 @dataclasses.dataclass(slots=True)  # one per task: slots, not frozen, are cheap to make
 class PartitionSpec:
     """What one partition task knows besides its arguments.
@@ -245,14 +249,15 @@ class _PartitionRun:
         self.rt.copies.run(copies, fn)
         sub.spans.append((stage.name.lower(), t0, time.time(), sum(s.nbytes for s, _ in copies)))
 
-    def _device_work(self, i: int, stream: Any) -> Callable[[], None]:
+    def _device_work(self, i: int, stream: Any, timed: bool = True) -> Callable[[], None]:
         """What enqueues sub-chunk ``i``'s H2D, COMPUTE and D2H on ``stream``, with a mark
-        around each (run in the stream's order, by :meth:`Stream.submit` or ``run``)."""
+        around each when ``timed`` (run in the stream's order, by :meth:`Stream.submit`
+        or ``run``)."""
         sub, backend = self.subs[i], self.backend
         kwargs = self.kwargs
         if self.spec.block_info is not None:
             kwargs = dict(kwargs, block_info=self.lay.block_info(self.spec.block_info, i))
-        mark = backend.mark
+        mark = backend.mark if timed else _no_mark
         # Device memory that ends with the partition may come from the backend's cache;
         # a result left on the device does not.
         scratch = _KEPT if self.spec.out == "device" else backend.scratch()
@@ -274,7 +279,8 @@ class _PartitionRun:
                 sub.stage_now = Stage.D2H
                 self._copy_out(i, sub, raw, stream)
                 marks.append(mark(stream))
-                sub.marks = marks
+                if timed:
+                    sub.marks = marks
 
         return work
 
@@ -313,17 +319,20 @@ class _PartitionRun:
         sub.d2h_bytes = result.nbytes
 
     # -- letting go ------------------------------------------------------------------
-    def _resolve_marks(self, sub: SubChunk) -> None:
-        """Turn the completed sub-chunk's stream marks into spans."""
+    def _resolve_marks(self, sub: SubChunk) -> list[tuple[str, float, float, int]]:
+        """Turn the completed sub-chunk's stream marks into spans (added to its own, and
+        returned; none when it was not timed)."""
         if len(sub.marks) != 4:
-            return
+            return []
         t = self.backend.resolve(sub.marks)
-        sub.spans += [
+        spans = [
             ("h2d", t[0], t[1], sub.h2d_bytes),
             ("compute", t[1], t[2], sub.h2d_bytes),
             ("d2h", t[2], t[3], sub.d2h_bytes),
         ]
+        sub.spans += spans
         sub.marks = []
+        return spans
 
     def _record(self, i: int) -> None:
         """Hand sub-chunk ``i``'s spans to the runtime and the meter; let go of it."""
@@ -387,12 +396,23 @@ class _LeanRun(_PartitionRun):
                 meter.backpressure += time.perf_counter() - t0
             if not sub.direct and any(sub.to_stage):
                 self._copy_now(sub, Stage.STAGING, self._stage_copies(0), self.backend.stage)
+            # Timed on the device, or now and then only (see metrics/sampling.py).
+            sampler, name = rt.sampler, self.spec.key[0]
+            timed = sampler is None or sampler.due(name, sub.h2d_bytes, time.monotonic())
             stream = sub.stream = rt.acquire_stream()
+            start = time.time()
             try:
-                stream.run(self._device_work(0, stream))
+                stream.run(self._device_work(0, stream, timed))
             finally:
                 rt.release_stream(stream)
-            self._resolve_marks(sub)
+            if timed:
+                spans = self._resolve_marks(sub)
+                if sampler is not None:
+                    sampler.learn(name, spans)
+            else:
+                h2d = sub.h2d_bytes
+                nbytes = {"h2d": h2d, "compute": h2d, "d2h": sub.d2h_bytes}
+                sub.spans += sampler.estimate(name, start, nbytes)
             if sub.ring_out is not None:
                 self._copy_now(
                     sub, Stage.UNSTAGING, [(sub.ring_out, sub.dest)], self.backend.unstage

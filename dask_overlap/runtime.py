@@ -28,6 +28,7 @@ import dask.config
 from .backends import Backend, Stream, make_backend, resolve_backend
 from .config import Options
 from .copies import Copier, auto_threads
+from .metrics.sampling import StageSampler
 from .process import Registry
 from .stats import Counters
 
@@ -92,6 +93,8 @@ class Runtime:
         self.warned = False
         # The most recent stage spans, newest last: the assembly line as it ran.
         self.timeline: collections.deque[Span] = collections.deque(maxlen=TIMELINE_LENGTH)
+        # Which small partitions the lean path times on the device (None: all of them).
+        self.sampler = StageSampler() if self.backend.sampled_timing else None
         self._stopped = threading.Event()
         self._trimmer = threading.Thread(
             target=self._trim_when_idle, name=f"overlap-{self.name}-trim", daemon=True

@@ -453,6 +453,35 @@ def test_many_small_partitions_on_many_threads_reuse_their_events() -> None:
     assert len(rt.timeline) >= 3 * 400 or len(rt.timeline) == rt.timeline.maxlen
 
 
+def test_small_partitions_are_timed_now_and_then_and_all_reach_the_timeline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lean path times a small partition's stages on the device only now and then
+    (its marks are driver calls): here the first ones, before any was learned. Every
+    partition still has its three spans on the timeline, bytes and busy seconds."""
+    from dask_overlap.metrics import sampling
+
+    monkeypatch.setattr(sampling, "SAMPLE_SECONDS", 3600.0)
+    x = np.random.default_rng(6).standard_normal((200 * 64, 128)).astype(np.float32)
+    with dask.config.set({**DIRECT, "num_workers": 4}):
+        rt = runtime()
+        assert rt.sampler is not None
+        marks: list[int] = []
+        mark = rt.backend.mark
+        monkeypatch.setattr(rt.backend, "mark", lambda s: marks.append(1) or mark(s))
+        y = dask_overlap.map_blocks(affine, da.from_array(x, chunks=(64, 128)))
+        np.testing.assert_array_equal(y.compute(), affine(x))
+    timed = len(marks) // 4
+    assert 1 <= timed <= 8  # those that started before the first was learned, 4 at a time
+    spans = [s for s in rt.timeline if s.key[0] == y.name]
+    assert len(spans) == 3 * 200
+    assert all(s.end >= s.start for s in spans)
+    assert sum(s.nbytes for s in spans if s.stage == "h2d") == x.nbytes
+    stats = rt.stats()
+    assert stats["bytes_h2d"] == stats["bytes_d2h"] == x.nbytes
+    assert all(stats["busy_seconds"][k] > 0 for k in ("h2d", "compute", "d2h"))
+
+
 # -- what func may do with its input ------------------------------------------------------
 @pytest.mark.parametrize("threads", [1, 4])
 def test_a_func_that_returns_or_keeps_its_input_keeps_it_intact(threads: int) -> None:

@@ -129,6 +129,43 @@ def test_the_timeline_and_metrics_are_fed_by_the_lean_path():
     assert all(s.end >= s.start and s.stream >= 0 for s in spans)
 
 
+def test_sampled_timing_times_some_partitions_and_estimates_the_others(monkeypatch):
+    """With stage timing sampled (CUDA's way: its marks are driver calls), the first
+    partition is timed on its stream and, within the sampling period, the others are
+    not; every partition still reaches the timeline, the busy seconds and the byte
+    counts, its spans estimated from the timed one's and scaled by its bytes."""
+    from dask_overlap.metrics import sampling
+
+    monkeypatch.setattr(sampling, "SAMPLE_SECONDS", 3600.0)  # one timed, in any test run
+    a = np.random.default_rng(1).standard_normal((700, 64))
+    x = da.from_array(a, chunks=(100, 64))  # 6 partitions of 100 rows, then one of 100
+    x = da.concatenate([x, da.from_array(a[:50], chunks=(50, 64))])  # and one of 50
+    rt = dask_overlap.get_runtime("host")
+    rt.sampler = sampling.StageSampler()
+    marks = []
+    mark = rt.backend.mark
+    monkeypatch.setattr(rt.backend, "mark", lambda stream: marks.append(1) or mark(stream))
+    y = dask_overlap.map_blocks(np.negative, x)
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), -np.concatenate([a, a[:50]]))
+    assert len(marks) == 4  # one partition timed: four marks
+    stats = wait_until_idle()
+    assert stats["partitions"] == 8 and stats["bytes_h2d"] == x.nbytes
+    spans = [s for s in rt.timeline if s.key[0] == y.name]
+    assert len(spans) == 3 * 8
+    by_key: dict = {}
+    for s in spans:
+        by_key.setdefault(s.key, {})[s.stage] = s
+    timed = by_key[(y.name, 0, 0)]
+    half = by_key[(y.name, 7, 0)]  # 50 rows: half the bytes, so half the estimated time
+    for stage in ("h2d", "compute"):
+        assert half[stage].nbytes * 2 == timed[stage].nbytes
+        took = timed[stage].end - timed[stage].start
+        assert half[stage].end - half[stage].start == pytest.approx(took / 2)
+    # Estimated stages follow each other, as they do on a stream.
+    assert half["h2d"].end == half["compute"].start and half["compute"].end == half["d2h"].start
+    assert sum(stats["busy_seconds"].values()) == pytest.approx(sum(s.end - s.start for s in spans))
+
+
 @pytest.mark.parametrize("out", ["pinned", "device"])
 def test_small_partitions_skip_the_ring_for_every_out(out):
     """Only the input is staged for ``out="device"`` (nothing comes back), and ``"pinned"``

@@ -408,3 +408,35 @@ def test_prometheus_series_follow_the_configured_namespace() -> None:
     assert float(line.split()[-1]) == x.nbytes
     assert "ovtest_worker_threads" in text  # distributed's own, in the same namespace
     assert "dask_overlap_" not in text
+
+
+# -- sampled stage timing (the lean path on CUDA) -----------------------------------------
+def test_the_sampler_times_one_partition_per_period_per_call_and_large_ones_always():
+    from dask_overlap.metrics.sampling import ALWAYS_TIMED_BYTES, SAMPLE_SECONDS, StageSampler
+
+    s = StageSampler()
+    spans = [("h2d", 0.0, 1.0, 100), ("compute", 1.0, 3.0, 100), ("d2h", 3.0, 3.5, 50)]
+    # Until a partition of the call has been learned, every one is timed.
+    assert s.due("a", 100, now=0.0) and s.due("a", 100, now=0.0)
+    s.learn("a", spans)
+    assert not s.due("a", 100, now=SAMPLE_SECONDS / 2)
+    assert s.due("b", 100, now=SAMPLE_SECONDS / 2)  # another call: its own clock
+    assert s.due("a", ALWAYS_TIMED_BYTES, now=SAMPLE_SECONDS / 2)
+    assert s.due("a", 100, now=SAMPLE_SECONDS * 1.5)
+    assert not s.due("a", 100, now=SAMPLE_SECONDS * 1.6)
+    got = s.estimate("a", 10.0, {"h2d": 200, "compute": 200, "d2h": 0})
+    assert got == [("h2d", 10.0, 12.0, 200), ("compute", 12.0, 16.0, 200), ("d2h", 16.0, 16.0, 0)]
+    assert s.estimate("never learned", 10.0, {"h2d": 1}) == []
+
+
+def test_the_sampler_forgets_every_call_past_its_bound():
+    from dask_overlap.metrics import sampling
+
+    s = sampling.StageSampler()
+    for i in range(sampling._CALLS):
+        s.due(i, 1, now=0.0)
+        s.learn(i, [("h2d", 0.0, 1.0, 1)])
+    assert not s.due(0, 1, now=0.0)
+    s.learn("one more", [("h2d", 0.0, 1.0, 1)])  # past the bound: all forgotten
+    assert s.due(0, 1, now=0.0) and s.estimate(0, 0.0, {}) == []
+    assert s.estimate("one more", 0.0, {}) == [("h2d", 0.0, 1.0, 1)]

@@ -68,6 +68,9 @@ class Backend(Protocol):
     #: Whether device memory is ordinary host memory (a result there is already an
     #: ordinary NumPy array).
     host_memory: bool
+    #: Whether marks are dear enough (driver calls) that the lean path times only some
+    #: partitions' stages (see :mod:`dask_overlap.metrics.sampling`).
+    sampled_timing: bool
 
     def make_stream(self) -> Stream: ...
 

@@ -567,6 +567,7 @@ class CudaBackend:
 
     name = "cuda"
     host_memory = False
+    sampled_timing = True  # each mark is a driver call, and so is reading it
 
     def __init__(self, options: Options):
         self.options = options

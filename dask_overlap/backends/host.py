@@ -100,6 +100,7 @@ class HostBackend:
 
     name = "host"
     host_memory = True
+    sampled_timing = False  # a mark reads the host clock
 
     def __init__(self, pinned_pool_size: int):
         self.pinned = HostPool(pinned_pool_size)

@@ -65,6 +65,7 @@ class TimedBackend(HostBackend):
 
     name = "timed"
     host_memory = False  # it models a device, whose results must be copied out
+    sampled_timing = False  # its marks are the host clock
 
     def __init__(self, pinned_pool_size: int, model: TimedModel):
         super().__init__(pinned_pool_size)
