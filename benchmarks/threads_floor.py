@@ -88,7 +88,7 @@ def threaded(t: int, block: bool) -> None:
 def show(label: str, fn) -> None:
     fn()
     best, cpu = 1e9, 0.0
-    for _ in range(2):
+    for _ in range(int(os.environ.get("FLOOR_REPEAT", 2))):
         c0, t0 = time.process_time(), time.perf_counter()
         fn()
         s = time.perf_counter() - t0
@@ -125,7 +125,7 @@ def without_marks(fn):
 
     mark, resolve = cuda.CudaBackend.mark, _PartitionRun._resolve_marks
     cuda.CudaBackend.mark = lambda self, stream: None
-    _PartitionRun._resolve_marks = lambda self, sub: None
+    _PartitionRun._resolve_marks = lambda self, sub: []
     try:
         return fn()
     finally:
@@ -146,6 +146,45 @@ def without_caches(fn):
         return fn()
     finally:
         cuda.CudaBackend.scratch, cuda.PinnedPool._keep = scratch, keep
+
+
+def spinning(fn):
+    """``fn()`` with the lean path's completion events spinning (as ``cudaStreamSynchronize``
+    does by default) instead of blocking-sync ones, whose waiter sleeps in the kernel."""
+    from dask_overlap.backends import cuda
+
+    free: dict[int, list] = {}
+
+    def run(self, work):
+        with self._device, self.cupy:
+            result = work()
+            events = free.setdefault(id(self), [])
+            event = events.pop() if events else cp.cuda.Event(block=False, disable_timing=True)
+            with self._lock:
+                event.record(self.cupy)
+                keep, self._keep = self._keep, []
+        event.synchronize()
+        events.append(event)
+        del keep
+        return result
+
+    run_before = cuda.CudaStream.run
+    cuda.CudaStream.run = run
+    try:
+        return fn()
+    finally:
+        cuda.CudaStream.run = run_before
+
+
+def every_partition_timed(fn):
+    """``fn()`` with the lean path timing every partition's stages on the device (no
+    sampling: see dask_overlap/metrics/sampling.py)."""
+    rt = dask_overlap.get_runtime("cuda")
+    sampler, rt.sampler = rt.sampler, None
+    try:
+        return fn()
+    finally:
+        rt.sampler = sampler
 
 
 def unfused(fn):
@@ -198,9 +237,21 @@ def cases() -> dict:
         "dask_overlap out=pinned, 4 threads, no stage marks",
         lambda y=y: without_marks(lambda: dask.persist(y, num_workers=4)),
     )
+    got["timeall4"] = (
+        "dask_overlap out=pinned, 4 threads, every partition timed",
+        lambda y=y: every_partition_timed(lambda: dask.persist(y, num_workers=4)),
+    )
     got["nocache4"] = (
         "dask_overlap out=pinned, 4 threads, no device or pinned caches",
         lambda y=y: without_caches(lambda: dask.persist(y, num_workers=4)),
+    )
+    got["ourspin4"] = (
+        "dask_overlap out=pinned, 4 threads, spinning completion events",
+        lambda y=y: spinning(lambda: dask.persist(y, num_workers=4)),
+    )
+    got["ourspinnomarks4"] = (
+        "dask_overlap out=pinned, 4 threads, spinning, no stage marks",
+        lambda y=y: spinning(lambda: without_marks(lambda: dask.persist(y, num_workers=4))),
     )
     y = dask_overlap.map_blocks(f, x, dtype=np.float32)
     got["host4"] = ("dask_overlap out=host, 4 threads", lambda y=y: dask.persist(y, num_workers=4))

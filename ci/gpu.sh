@@ -148,9 +148,11 @@ run_floor() {
         local spy
         spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
         log "py-spy --gil on ${GIL_CASE:-ours4}, partition ${GIL_PART:-4194304}"
-        PART=${GIL_PART:-4194304} timeout 120 "$spy" record --gil --rate 2000 --format raw \
-            --output "$OUT/gil-${GIL_CASE:-ours4}.txt" -- python3 benchmarks/threads_floor.py \
-            --cases "${GIL_CASE:-ours4}" 2>&1 | grep -v "Warning\|warn" | tail -n 5 || status=1
+        PART=${GIL_PART:-4194304} FLOOR_REPEAT=${GIL_REPEAT:-10} timeout 120 "$spy" record --gil \
+            --rate 2000 --format raw ${GIL_NATIVE:+--native} --output "$OUT/gil-${GIL_CASE:-ours4}.txt" \
+            -- python3 benchmarks/threads_floor.py --cases "${GIL_CASE:-ours4}" 2>&1 \
+            | grep -v "Warning\|warn" | tail -n 5 || status=1
+        python3 benchmarks/spy_summary.py "$OUT/gil-${GIL_CASE:-ours4}.txt" --top "${GIL_TOP:-45}" || status=1
     fi
 }
 
