@@ -186,7 +186,7 @@ class PinnedPool(HostPool):
         # nbytes -> addresses of blocks given back, for the next request of that size
         self._kept: dict[int, list[int]] = {}
         # Their bytes (charged as RMM charges them); updated without a lock, so only a
-        # hint (see _from_rmm).
+        # hint (see _from_rmm), counted afresh whenever the kept blocks go back.
         self._kept_bytes = 0
         self._size = size = _align_up(self.limit)
         if self.limit > 0:
@@ -226,17 +226,16 @@ class PinnedPool(HostPool):
             # What is charged (this block included) and what is kept do not fit together:
             # the kept blocks go back first, rather than RMM failing (and logging it).
             self._release_kept()
-        try:
-            with self._device:
-                return self.mr.allocate(nbytes, self._stream)
-        except Exception:  # out of pool, or fragmented: give the kept blocks back first
-            if not self._release_kept():
-                raise MemoryError(f"pinned pool could not serve {nbytes} bytes") from None
-        try:
-            with self._device:
-                return self.mr.allocate(nbytes, self._stream)
-        except Exception as e:  # the caller falls back (counted)
-            raise MemoryError(f"pinned pool could not serve {nbytes} bytes: {e}") from e
+        for again in (False, True):
+            try:
+                with self._device:
+                    return self.mr.allocate(nbytes, self._stream)
+            except Exception as e:
+                # Out of pool, or fragmented: once more after giving the kept blocks back,
+                # if there were any; else the caller falls back (counted).
+                if again or not self._release_kept():
+                    raise MemoryError(f"pinned pool could not serve {nbytes} bytes: {e}") from e
+        raise AssertionError("not reached")
 
     def _keep(self, nbytes: int, ptr: int) -> None:
         charged = _align_up(nbytes)
@@ -260,8 +259,10 @@ class PinnedPool(HostPool):
                 except IndexError:
                     break
                 self.mr.deallocate(ptr, nbytes, self._stream)
-                self._kept_bytes -= _align_up(nbytes)
                 released += 1
+        # Counted afresh (a hint, updated without a lock by finalizers on any thread: a
+        # drift would only cost speed, and ends here).
+        self._kept_bytes = sum(_align_up(n) * len(p) for n, p in list(self._kept.items()))
         return released
 
     def reserved(self) -> int:
