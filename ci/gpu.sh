@@ -8,7 +8,8 @@
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
 # CLUSTER_SIZE, CLUSTER_REPEAT, CLUSTER_LIMIT; cross (needs distributed-ucxx for ucxx): CROSS_ARGS,
-# CROSS_LIMIT; tests: TESTS_LIMIT, TESTS_MARK, TESTS_PATHS.
+# CROSS_LIMIT; tests: TESTS_LIMIT, TESTS_MARK, TESTS_PATHS; floor: FLOOR_PARTS, FLOOR_CASES,
+# FLOOR_REPEAT, and its py-spy run (GIL_SPY=0 skips it): GIL_CASE, GIL_PART, GIL_NATIVE.
 #
 # Expects the carried wheels in .whl/ (../shared/gpu/fetch-wheels.sh) and installs them
 # into /tmp/site unless dask and rmm import already. Each step has its own time limit, so
@@ -144,7 +145,7 @@ run_floor() {
         PART=$part timeout "${FLOOR_LIMIT:-150}" python3 benchmarks/threads_floor.py \
             --cases "${FLOOR_CASES:-}" 2>&1 | grep -v "Warning\|warn" || status=1
     done
-    if command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; then
+    if [ "${GIL_SPY:-1}" != 0 ] && { command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; }; then
         local spy
         spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
         log "py-spy --gil on ${GIL_CASE:-ours4}, partition ${GIL_PART:-4194304}"
