@@ -71,6 +71,8 @@ class StageSampler:
         last = self._timed_at.get(name)
         if last is not None and now - last < SAMPLE_SECONDS and name in self._learned:
             return False
+        if len(self._timed_at) >= _CALLS and name not in self._timed_at:
+            self._timed_at.clear()  # calls that never got as far as learn()
         self._timed_at[name] = now
         return True
 
