@@ -6,7 +6,7 @@ frame on the stack, counted once per stack), with their share of all samples. Wi
 inclusive share of a function is then the share of the GIL it held.
 
     py-spy record --gil --format raw -o prof.txt -- python3 benchmarks/threads_floor.py ...
-    python3 benchmarks/spy_summary.py prof.txt [--top 40]
+    python3 benchmarks/spy_summary.py prof.txt [--top 40] [--only _PartitionTask]
 
 With ``--native``, a third table pairs each native leaf with the Python frame that led to
 it (where a thread waits for the GIL, in the driver, or in a lock); with ``--idle``, the
@@ -32,6 +32,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("raw")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--only", default="", help="count only stacks with this text in them")
     args = p.parse_args()
     own: collections.Counter = collections.Counter()
     incl: collections.Counter = collections.Counter()
@@ -40,7 +41,7 @@ def main() -> None:
     with open(args.raw) as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
-            if not stack:
+            if not stack or args.only not in stack:
                 continue
             n = int(count)
             total += n
