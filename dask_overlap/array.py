@@ -21,6 +21,7 @@ import numpy as np
 from dask.array.utils import compute_meta
 from dask.base import is_dask_collection, tokenize
 from dask.blockwise import Blockwise
+from dask.highlevelgraph import HighLevelGraph
 from dask.utils import funcname, has_keyword
 
 from .backends import resolve_backend
@@ -28,6 +29,7 @@ from .config import Options
 from .current import get_runtime
 from .infer import infer_dtype, refuse_subclasses
 from .partition import OUT_MODES, PartitionSpec, run_partition
+from .pieces import gather
 
 __all__ = ["map_blocks"]
 
@@ -227,6 +229,54 @@ def _check_numblocks(arrays: Sequence[Any], positions: tuple[int, ...], ndim: in
             )
 
 
+def _check_batch(batch: Any, split_axis: int | None, chunks: Any) -> int:
+    """``batch`` as a positive int, and only where joining blocks is sound."""
+    if isinstance(batch, bool) or not isinstance(batch, Integral):
+        raise TypeError(f"batch must be a positive integer, got {batch!r}")
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1 (1: one block per partition), got {batch}")
+    if batch > 1 and split_axis is None:
+        raise ValueError(
+            f"batch={batch} joins {batch} blocks along split_axis into one partition, so it "
+            "needs split_axis (the axis func is independent along); got split_axis=None"
+        )
+    if batch > 1 and chunks is not None:
+        raise ValueError(
+            f"batch={batch} gives each output block {batch} blocks' extent along split_axis, "
+            "which chunks= would contradict: leave chunks out"
+        )
+    return int(batch)
+
+
+def _joined(
+    arrays: Sequence[Any], positions: tuple[int, ...], ndim: int, axis: int, k: int
+) -> list:
+    """``arrays`` with every dask array's blocks gathered ``k`` at a time along ``axis``
+    (in the inputs' index space): the partition tasks then get one :class:`Pieces` per
+    array and partition. An array without that axis, or with one block along it, is
+    broadcast as it is."""
+    out = list(arrays)
+    for i in positions:
+        x = arrays[i]
+        ax = axis - (ndim - x.ndim)
+        if ax < 0 or x.numblocks[ax] == 1:
+            continue
+        n = x.numblocks[ax]
+        starts = range(0, n, k)
+        name = "overlap-batch-" + tokenize(x.name, ax, k)
+        grid = [len(starts) if d == ax else nb for d, nb in enumerate(x.numblocks)]
+        dsk: dict = {}
+        for idx in np.ndindex(*grid):
+            first = idx[ax] * k
+            keys = [(x.name, *idx[:ax], j, *idx[ax + 1 :]) for j in range(first, min(first + k, n))]
+            dsk[(name, *idx)] = (gather, ax, *keys)
+        chunks = list(x.chunks)
+        chunks[ax] = tuple(sum(x.chunks[ax][s : s + k]) for s in starts)
+        graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x])
+        out[i] = da.Array(graph, name, tuple(chunks), meta=x._meta)
+    return out
+
+
 def _check_func(func: Any) -> None:
     if not callable(func):
         raise TypeError(
@@ -374,6 +424,7 @@ def map_blocks(
     sub_chunk_bytes: int | str | None = None,
     in_flight: int | None = None,
     out: str = "host",
+    batch: int = 1,
     meta: Any = None,
     name: str | None = None,
     token: str | None = None,
@@ -423,6 +474,14 @@ def map_blocks(
         ``"device"``: it stays where ``func`` computed it, a CuPy array on the GPU
         (NumPy on the host path), and nothing is copied back; ``meta`` is then a CuPy
         array when the backend resolves to ``cuda`` in the calling process.
+    batch
+        Blocks per partition along ``split_axis`` (default 1). With ``batch=k`` each
+        partition task gets ``k`` consecutive blocks and joins them (host blocks into one
+        block of the pinned pool, which is the staging copy they would have had anyway;
+        device blocks on the device), so small chunks pay one task's and one partition's
+        overhead per ``k``. The output then has one block per ``k`` input blocks along
+        ``split_axis``, and ``block_info``/``block_id`` describe those blocks. Needs
+        ``split_axis``; not with ``chunks``.
 
     Returns
     -------
@@ -450,6 +509,7 @@ def map_blocks(
     if split_axis is not None:
         split_axis = _check_split_axis(split_axis, ndim, drop_axis)
         out_split_axis = _out_axis(ndim, split_axis, drop, new, chunks)
+    batch = _check_batch(batch, split_axis, chunks)
 
     dtype, meta = _dtype_and_meta(
         func,
@@ -463,6 +523,8 @@ def map_blocks(
         out_mode=out,
     )
     task = _partition_task(func, opts, positions, ndim, split_axis, out_split_axis, out)
+    if batch > 1:
+        arrays = tuple(_joined(arrays, positions, ndim, split_axis, batch))
     result = da.map_blocks(
         task,
         *arrays,

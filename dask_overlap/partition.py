@@ -38,6 +38,7 @@ from .infer import refuse_block
 from .layout import Layout, auto_sub_chunk_bytes, layout, whole
 from .metrics import TaskMeter, nvtx_range
 from .output import PartitionOutput
+from .pieces import Pieces, join
 from .results import check_split_extent, not_an_array, partition_name
 from .runtime import Runtime
 from .subchunks import Admission, SubChunk
@@ -95,6 +96,11 @@ def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
     is_device = rt.backend.is_device
     for p in spec.array_positions:
         a = args[p]
+        if type(a) is Pieces:  # several blocks for one partition (batch=): one array
+            a, copied = join(rt, a, partition_name(spec.key))
+            args[p] = a
+            if copied:
+                rt.counters.add(bytes_staged=copied)
         if type(a) is not np.ndarray and not is_device(a):
             # A subclass whose meaning the copies would lose.
             refuse_block(a, partition_name(spec.key))

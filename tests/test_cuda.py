@@ -482,6 +482,31 @@ def test_small_partitions_are_timed_now_and_then_and_all_reach_the_timeline(
     assert all(stats["busy_seconds"][k] > 0 for k in ("h2d", "compute", "d2h"))
 
 
+@pytest.mark.parametrize("source", ["pageable", "pinned", "device"])
+def test_batched_blocks_are_joined_once_and_copied_in_directly(source: str) -> None:
+    """batch=4 on the GPU: host blocks are joined into one pinned-pool block (the only
+    host copy: counted as staged, nothing else staged or fallen back), device blocks on
+    the device; the results are right whatever the blocks were."""
+    import cupyx
+
+    a = np.random.default_rng(7).standard_normal((40 * 64, 128)).astype(np.float32)
+    if source == "pinned":
+        host = cupyx.empty_pinned(a.shape, a.dtype)
+        host[...] = a
+        a = host
+    x = da.from_array(a, chunks=(64, 128))
+    if source == "device":
+        x = dask_overlap.map_blocks(lambda b: b + 0, x, out="device")
+    y = dask_overlap.map_blocks(affine, x, split_axis=0, batch=4)
+    assert y.numblocks == (10, 1)
+    np.testing.assert_array_equal(y.compute(), affine(np.asarray(a)))
+    stats = runtime().stats()
+    assert stats["partitions"] == 10 + (40 if source == "device" else 0)
+    assert stats["partitions_failed"] == 0 and stats["pinned_fallbacks"] == 0
+    assert stats["bytes_staged"] == (0 if source == "device" else a.nbytes)
+    assert stats["bytes_h2d"] == a.nbytes  # once: device blocks are not copied in again
+
+
 # -- what func may do with its input ------------------------------------------------------
 @pytest.mark.parametrize("threads", [1, 4])
 def test_a_func_that_returns_or_keeps_its_input_keeps_it_intact(threads: int) -> None:

@@ -108,6 +108,10 @@ class Backend(Protocol):
     def empty_device(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """An uninitialised device array (``out="device"``); called in a stream's order."""
 
+    def join_device(self, blocks: tuple[Any, ...], axis: int) -> Any:
+        """``blocks`` (some on the device) joined along ``axis`` into one device array,
+        ordered so that a partition's copy-in of a device input waits for it."""
+
     def wait(self, stream: Stream, mark: Any) -> None:
         """Order ``stream``'s next work after ``mark`` (made by :meth:`mark` on another)."""
 

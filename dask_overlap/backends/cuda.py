@@ -769,6 +769,11 @@ class CudaBackend:
         # Stream-ordered on the current stream: other streams wait on a mark made after it.
         return cupy.empty(shape, dtype)
 
+    def join_device(self, blocks: tuple[Any, ...], axis: int) -> cupy.ndarray:
+        # On the legacy default stream, which copy_in makes a device input wait for.
+        with self._device, cupy.cuda.Stream.null:
+            return cupy.concatenate([cupy.asarray(b) for b in blocks], axis=axis)
+
     def wait(self, stream: CudaStream, mark: Any) -> None:
         stream.cupy.wait_event(mark)
 

@@ -141,6 +141,9 @@ class HostBackend:
     def empty_device(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         return np.empty(shape, dtype)
 
+    def join_device(self, blocks: tuple[Any, ...], axis: int) -> np.ndarray:
+        return np.concatenate(blocks, axis=axis)
+
     def wait(self, stream: Any, mark: Any) -> None:
         pass  # host streams run their work synchronously: what was marked has happened
 

@@ -1,0 +1,180 @@
+"""``map_blocks(..., batch=k)``: k blocks along ``split_axis`` joined into one partition."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from support import wait_until_idle
+
+import dask_overlap
+from dask_overlap.pieces import Pieces
+
+
+def grid(rows: int = 100, cols: int = 8) -> np.ndarray:
+    return np.arange(rows * cols, dtype=np.float64).reshape(rows, cols)
+
+
+@pytest.mark.parametrize(
+    "axis, batch, chunks, expected",
+    [
+        (0, 3, (10, 4), ((30, 30, 30, 10), (4, 4))),  # the last partition is short
+        (1, 2, (10, 4), ((10,) * 10, (8,))),
+        (0, 50, (10, 4), ((100,), (4, 4))),  # more than there are: one partition
+        (0, 1, (10, 4), ((10,) * 10, (4, 4))),  # 1: the blocks as they are
+    ],
+)
+def test_blocks_are_joined_along_the_split_axis(axis, batch, chunks, expected):
+    a = grid()
+    x = da.from_array(a, chunks=chunks)
+    y = dask_overlap.map_blocks(lambda b: b * 2 + 1, x, split_axis=axis, batch=batch)
+    assert y.chunks == expected
+    np.testing.assert_array_equal(y.compute(), a * 2 + 1)
+    stats = wait_until_idle()
+    assert stats["partitions"] == y.npartitions
+    assert stats["partitions_failed"] == 0 and stats["pinned_bytes_in_use"] == 0
+
+
+def test_joined_blocks_are_counted_as_staged_and_go_through_the_pinned_pool():
+    a = grid()
+    x = da.from_array(a, chunks=(10, 8))
+    seen: list[tuple[int, ...]] = []
+
+    def f(b: Any) -> Any:
+        if b.size:  # (not the call on empty blocks that infers the meta)
+            seen.append(b.shape)
+        return -b
+
+    y = dask_overlap.map_blocks(f, x, split_axis=0, batch=4, dtype=a.dtype)
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), -a)
+    assert sorted(seen) == [(20, 8), (40, 8), (40, 8)]  # func sees the joined blocks
+    stats = wait_until_idle()
+    # Two partitions of 4 blocks and one of 2 (all joined: nothing else is staged here).
+    assert stats["bytes_staged"] == a.nbytes
+    assert stats["pinned_bytes_peak"] >= 40 * 8 * 8  # a joined input in the pool
+    assert stats["pinned_bytes_in_use"] == 0 and stats["pinned_fallbacks"] == 0
+
+
+def test_a_pool_too_small_for_the_join_uses_ordinary_memory():
+    a = grid()
+    with dask.config.set({"overlap.pinned-pool-size": "1KiB"}):
+        x = da.from_array(a, chunks=(10, 8))
+        y = dask_overlap.map_blocks(np.negative, x, split_axis=0, batch=5)
+        np.testing.assert_array_equal(y.compute(), -a)
+    stats = wait_until_idle()
+    assert stats["partitions"] == 2 and stats["partitions_failed"] == 0
+    assert stats["pinned_bytes_in_use"] == 0
+
+
+def test_several_arrays_a_broadcast_one_and_constants_are_joined_alike():
+    a = grid(60, 6)
+    b = grid(60, 6)[::-1].copy()
+    row = np.arange(6.0)  # no split axis: the same block for every partition
+    x = da.from_array(a, chunks=(10, 3))
+    y = da.from_array(b, chunks=(10, 3))
+    r = da.from_array(row, chunks=3)
+
+    def combine(p: Any, q: Any, s: Any, scale: float) -> Any:
+        return p * scale + q - s
+
+    got = dask_overlap.map_blocks(combine, x, y, r, 0.5, split_axis=0, batch=4)
+    assert got.chunks == ((40, 20), (3, 3))
+    np.testing.assert_array_equal(got.compute(), a * 0.5 + b - row)
+
+
+def test_block_info_describes_the_joined_blocks():
+    a = grid(60, 4)
+    x = da.from_array(a, chunks=(10, 4))
+    got: dict = {}
+
+    def f(b: Any, block_info: dict | None = None) -> Any:
+        info = block_info[0]
+        got[info["chunk-location"]] = (info["array-location"], b.shape)
+        return b
+
+    y = dask_overlap.map_blocks(f, x, split_axis=0, batch=4, dtype=a.dtype)
+    y.compute(scheduler="sync")
+    assert got == {(0, 0): ([(0, 40), (0, 4)], (40, 4)), (1, 0): ([(40, 60), (0, 4)], (20, 4))}
+
+
+@pytest.mark.parametrize("out", ["host", "pinned", "device"])
+def test_every_out_mode_and_sub_chunks_inside_a_joined_partition(out):
+    a = grid(120, 4)
+    x = da.from_array(a, chunks=(10, 4))
+    y = dask_overlap.map_blocks(
+        np.sqrt, x, split_axis=0, batch=6, out=out, sub_chunk_bytes=8 * 4 * 20
+    )
+    np.testing.assert_array_equal(y.compute(), np.sqrt(a))
+    stats = wait_until_idle()
+    assert stats["partitions"] == 2 and stats["sub_chunks"] == 2 * 3  # 60 rows in 20s
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"batch": 0}, ValueError, "batch must be at least 1"),
+        ({"batch": 2.0}, TypeError, "batch must be a positive integer, got 2.0"),
+        ({"batch": True}, TypeError, "batch must be a positive integer, got True"),
+        ({"batch": 2}, ValueError, "needs split_axis"),
+        ({"batch": 2, "split_axis": 0, "chunks": (10, 8)}, ValueError, "leave chunks out"),
+    ],
+)
+def test_bad_batch_is_refused_before_func_runs(kwargs, error, words):
+    calls: list[int] = []
+
+    def f(b: Any) -> Any:
+        calls.append(1)
+        return b
+
+    x = da.from_array(grid(), chunks=(10, 8))
+    with pytest.raises(error, match=words):
+        dask_overlap.map_blocks(f, x, **kwargs)
+    assert calls == []
+
+
+def test_a_subclass_block_in_a_batch_is_refused_by_name():
+    a = grid(40, 4) - 400
+    # The meta says plain ndarray; the blocks are masked arrays.
+    x = da.from_array(a, chunks=(10, 4)).map_blocks(
+        np.ma.masked_less, 0, meta=np.empty((0, 0), a.dtype)
+    )
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0, batch=2, dtype=a.dtype)
+    with pytest.raises(TypeError, match=r"partition .* got a block that is"):
+        y.compute(scheduler="sync")
+    stats = wait_until_idle()
+    assert stats["pinned_bytes_in_use"] == 0
+
+
+def test_pieces_pickle_with_their_blocks():
+    import pickle
+
+    p = Pieces(1, (np.ones((2, 3)), np.zeros((2, 1))))
+    q = pickle.loads(pickle.dumps(p))
+    assert q.axis == 1 and [b.tolist() for b in q.blocks] == [b.tolist() for b in p.blocks]
+
+
+@pytest.mark.timeout(120)
+def test_batches_across_worker_processes():
+    from distributed import Client, LocalCluster
+
+    a = grid(200, 16)
+    x = da.from_array(a, chunks=(10, 8))
+    y = dask_overlap.map_blocks(lambda b: b - 1, x, split_axis=0, batch=4)
+    with (
+        LocalCluster(
+            processes=True,
+            n_workers=2,
+            threads_per_worker=2,
+            dashboard_address=":0",
+            worker_dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        got = y.compute()
+        per_worker = client.run(dask_overlap.runtime_stats)
+    np.testing.assert_array_equal(got, a - 1)
+    assert sum(s["partitions"] for s in per_worker.values()) == y.npartitions == 5 * 2
+    assert sum(s["bytes_staged"] for s in per_worker.values()) == a.nbytes
