@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
         help="where results live: ordinary arrays (the default) or the pinned pool",
     )
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each path; best kept")
+    p.add_argument(
+        "--batch", type=int, default=1, help="blocks joined per partition (map_blocks batch=)"
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--timeline-json", default=None, help="write the fastest run's stage spans here")
     args = p.parse_args(argv)
@@ -284,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
             in_flight=in_flight,
             dtype=np.float32,
             out=args.out,
+            batch=args.batch,
         )
 
     # Warm-up: compilation, pool creation and first touch stay out of the numbers.
@@ -368,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
         "size_bytes": nbytes,
         "partition_bytes": rows_per_part * row * 4,
         "partitions": n_parts,
+        "batch": args.batch,
         "sub_chunk_bytes": top["sub_chunk_bytes"],
         "in_flight": top["in_flight"],
         "threads": top["threads"],

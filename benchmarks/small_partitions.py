@@ -10,6 +10,8 @@ task threads, the copy threads, the stream waiters), per partition.
 
 ``--direct-off`` runs the sizes at or under ``direct-bytes`` a second time with
 ``direct-bytes: 0`` (every sub-chunk through the ring), to show what skipping it gains.
+``--batch 4,8`` runs each size again with ``map_blocks(..., batch=k)`` (k blocks joined
+per partition; the output's blocks are k times larger), in the same process.
 ``--profile N`` prints the top N functions of one run at ``--profile-size`` (cProfile,
 on the synchronous scheduler, so that the profiler sees the tasks).
 
@@ -37,16 +39,17 @@ from bench_overlap import write_json
 SIZES = {"256MiB": "4GiB", "16MiB": "2GiB", "4MiB": "1GiB", "1MiB": "512MiB", "256KiB": "128MiB"}
 
 
-def case(partition: str, size: str, args: argparse.Namespace) -> dict:
+def case(partition: str, size: str, args: argparse.Namespace, batch: int = 1) -> dict:
     argv = [
         "--backend", args.backend, "--workload", "balanced", "--pinned-input",
         "--size", size, "--partition", partition, "--threads", args.threads,
-        "--repeat", str(args.repeat), "--out", args.out,
+        "--repeat", str(args.repeat), "--out", args.out, "--batch", str(batch),
     ]  # fmt: skip
     r = bench(argv)
     return {
         "partition_bytes": r["partition_bytes"],
         "partitions": r["partitions"],
+        "batch": batch,
         "threads": r["threads"],
         "overlap_gbps": r["overlap_gbps"],
         "bound_gbps": r["bound_gbps"],
@@ -71,6 +74,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="map_blocks out=",
     )
     p.add_argument("--direct-off", action="store_true", help="also run with direct-bytes 0")
+    p.add_argument(
+        "--batch",
+        default="",
+        help="also run each size with map_blocks batch= each of these (a comma list)",
+    )
     p.add_argument("--profile", type=int, default=0, help="print the top N functions")
     p.add_argument("--profile-size", default="16MiB", help="the partition size profiled")
     p.add_argument("--json", default=None)
@@ -86,10 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
         ):
             with dask.config.set({"overlap.direct-bytes": 0}):
                 row["through_the_ring"] = case(part, size, args)
+        for k in (int(b) for b in args.batch.split(",") if b.strip()):
+            if k > 1:
+                row[f"batch_{k}"] = case(part, size, args, k)
     print(f"\n{result['device']}: balanced, pinned input, out={args.out}, default settings")
     print(f"{'partition':>10} {'GB/s':>7} {'bound':>7} {'of bound':>9} {'host us/part':>13}")
     for part, r in result["sizes"].items():
-        for label, x in ((part, r), (" ring", r.get("through_the_ring"))):
+        batches = [(f" batch {k[6:]}", r[k]) for k in r if k.startswith("batch_")]
+        for label, x in [(part, r), (" ring", r.get("through_the_ring")), *batches]:
             if x is not None:
                 print(
                     f"{label:>10} {x['overlap_gbps']:7.2f} {x['bound_gbps']:7.2f} "

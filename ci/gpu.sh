@@ -8,7 +8,8 @@
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
 # CLUSTER_SIZE, CLUSTER_REPEAT, CLUSTER_LIMIT; cross (needs distributed-ucxx for ucxx): CROSS_ARGS,
-# CROSS_LIMIT; tests: TESTS_LIMIT, TESTS_MARK, TESTS_PATHS; floor: FLOOR_PARTS, FLOOR_CASES,
+# CROSS_LIMIT; small: SMALL_SIZES, SMALL_OUT, SMALL_BATCH, SMALL_TOP, SMALL_LIMIT;
+# tests: TESTS_LIMIT, TESTS_MARK, TESTS_PATHS; floor: FLOOR_PARTS, FLOOR_CASES,
 # FLOOR_REPEAT, and its py-spy run (GIL_SPY=0 skips it): GIL_CASE, GIL_PART, GIL_NATIVE.
 #
 # Expects the carried wheels in .whl/ (../shared/gpu/fetch-wheels.sh) and installs them
@@ -129,6 +130,7 @@ run_small() {
         log "small partitions, out=$out: ${SMALL_SIZES:-256MiB,16MiB,4MiB,1MiB,256KiB}"
         timeout "${SMALL_LIMIT:-240}" python3 benchmarks/small_partitions.py --direct-off --out "$out" \
             --sizes "${SMALL_SIZES:-256MiB,16MiB,4MiB,1MiB,256KiB}" --profile "${SMALL_TOP:-0}" \
+            --batch "${SMALL_BATCH:-}" \
             --json "$OUT/small-partitions-$out.json" 2>&1 | grep -v "Warning\|warn" \
             | grep -v "^  sub-chunk\|^  naive\|^  dask_overlap\|^  bound\|^backend=\|^  overlap/bound" \
             | tail -n "${SMALL_TAIL:-30}" || status=1
