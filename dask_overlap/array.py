@@ -477,11 +477,11 @@ def map_blocks(
     batch
         Blocks per partition along ``split_axis`` (default 1). With ``batch=k`` each
         partition task gets ``k`` consecutive blocks and joins them (host blocks into one
-        block of the pinned pool, which is the staging copy they would have had anyway;
-        device blocks on the device), so small chunks pay one task's and one partition's
-        overhead per ``k``. The output then has one block per ``k`` input blocks along
-        ``split_axis``, and ``block_info``/``block_id`` describe those blocks. Needs
-        ``split_axis``; not with ``chunks``.
+        block of the pinned pool, which for pageable blocks is the staging copy they
+        would have had anyway; device blocks on the device), so small chunks pay one
+        task's and one partition's overhead per ``k``. The output then has one block
+        per ``k`` input blocks along ``split_axis``, and ``block_info``/``block_id``
+        describe those blocks. Needs ``split_axis``; not with ``chunks``.
 
     Returns
     -------
