@@ -10,7 +10,9 @@
 # CLUSTER_SIZE, CLUSTER_REPEAT, CLUSTER_LIMIT; cross (needs distributed-ucxx for ucxx): CROSS_ARGS,
 # CROSS_LIMIT; small: SMALL_SIZES, SMALL_OUT, SMALL_BATCH, SMALL_TOP, SMALL_LIMIT;
 # tests: TESTS_LIMIT, TESTS_MARK, TESTS_PATHS; floor: FLOOR_PARTS, FLOOR_CASES,
-# FLOOR_REPEAT, and its py-spy run (GIL_SPY=0 skips it): GIL_CASE, GIL_PART, GIL_NATIVE.
+# FLOOR_REPEAT, and its py-spy run (GIL_SPY=0 skips it): GIL_CASE, GIL_PART, GIL_NATIVE,
+# GIL_RATE (samples a second: at 2000 py-spy fell a minute behind on the H200 host and
+# wrote nothing).
 #
 # Expects the carried wheels in .whl/ (../shared/gpu/fetch-wheels.sh) and installs them
 # into /tmp/site unless dask and rmm import already. Each step has its own time limit, so
@@ -152,7 +154,7 @@ run_floor() {
         spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
         log "py-spy --gil on ${GIL_CASE:-ours4}, partition ${GIL_PART:-4194304}"
         PART=${GIL_PART:-4194304} FLOOR_REPEAT=${GIL_REPEAT:-10} timeout 120 "$spy" record --gil \
-            --rate 2000 --format raw ${GIL_NATIVE:+--native} --output "$OUT/gil-${GIL_CASE:-ours4}.txt" \
+            --rate "${GIL_RATE:-250}" --format raw ${GIL_NATIVE:+--native} --output "$OUT/gil-${GIL_CASE:-ours4}.txt" \
             -- python3 benchmarks/threads_floor.py --cases "${GIL_CASE:-ours4}" 2>&1 \
             | grep -v "Warning\|warn" | tail -n 5 || status=1
         python3 benchmarks/spy_summary.py "$OUT/gil-${GIL_CASE:-ours4}.txt" --top "${GIL_TOP:-45}" || status=1
