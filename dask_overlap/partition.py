@@ -419,6 +419,7 @@ class _LeanRun(_PartitionRun):
                 h2d = sub.h2d_bytes
                 nbytes = {"h2d": h2d, "compute": h2d, "d2h": sub.d2h_bytes}
                 sub.spans += sampler.estimate(name, start, nbytes)
+                self.tally["sub_chunks_estimated"] = 1
             if sub.ring_out is not None:
                 self._copy_now(
                     sub, Stage.UNSTAGING, [(sub.ring_out, sub.dest)], self.backend.unstage

@@ -17,6 +17,9 @@ class Counters:
     partitions_failed: int = 0
     partitions_active: int = 0
     sub_chunks: int = 0
+    # Sub-chunks whose stage spans were estimated rather than timed on the device (the
+    # lean path's sampled timing, metrics/sampling.py)
+    sub_chunks_estimated: int = 0
     bytes_staged: int = 0
     bytes_h2d: int = 0
     bytes_d2h: int = 0

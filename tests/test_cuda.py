@@ -479,6 +479,7 @@ def test_small_partitions_are_timed_now_and_then_and_all_reach_the_timeline(
     assert sum(s.nbytes for s in spans if s.stage == "h2d") == x.nbytes
     stats = rt.stats()
     assert stats["bytes_h2d"] == stats["bytes_d2h"] == x.nbytes
+    assert stats["sub_chunks_estimated"] == 200 - timed
     assert all(stats["busy_seconds"][k] > 0 for k in ("h2d", "compute", "d2h"))
 
 

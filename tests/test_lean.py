@@ -150,6 +150,7 @@ def test_sampled_timing_times_some_partitions_and_estimates_the_others(monkeypat
     assert len(marks) == 4  # one partition timed: four marks
     stats = wait_until_idle()
     assert stats["partitions"] == 8 and stats["bytes_h2d"] == x.nbytes
+    assert stats["sub_chunks_estimated"] == 7
     spans = [s for s in rt.timeline if s.key[0] == y.name]
     assert len(spans) == 3 * 8
     by_key: dict = {}

@@ -11,7 +11,8 @@ collector reports each worker :func:`report` named, under a ``worker`` label; a 
 whose runtime is closed is left out.
 
 Series (counters get prometheus_client's ``_total`` suffix): ``partitions``,
-``partitions_failed``, ``sub_chunks``, ``pinned_fallbacks``, ``backpressure_seconds``,
+``partitions_failed``, ``sub_chunks``, ``sub_chunks_estimated``, ``pinned_fallbacks``,
+``backpressure_seconds``,
 ``bytes`` (label ``direction``: staged, h2d, d2h, unstaged), ``busy_seconds`` (label
 ``stage``); gauges ``partitions_active``, ``in_flight``, ``window_capacity``,
 ``pinned_bytes_in_use``, ``pinned_pool_size``, ``device_bytes_in_use``,
@@ -40,6 +41,7 @@ COUNTERS = {
     "partitions": "Partition tasks run",
     "partitions_failed": "Partition tasks that failed",
     "sub_chunks": "Sub-chunks run",
+    "sub_chunks_estimated": "Sub-chunks whose stage times were estimated, not timed on the device",
     "pinned_fallbacks": "Buffers that fell back to ordinary memory (pinned pool exhausted)",
     "backpressure_seconds": "Seconds partition tasks waited for room in their window",
 }
