@@ -130,15 +130,15 @@ def test_the_timeline_and_metrics_are_fed_by_the_lean_path():
 
 
 def test_sampled_timing_times_some_partitions_and_estimates_the_others(monkeypatch):
-    """With stage timing sampled (CUDA's way: its marks are driver calls), the first
-    partition is timed on its stream and, within the sampling period, the others are
-    not; every partition still reaches the timeline, the busy seconds and the byte
-    counts, its spans estimated from the timed one's and scaled by its bytes."""
+    """With stage timing sampled (CUDA's way: its marks are driver calls), the call's
+    first partition is timed and, within the sampling period, its others are not; every
+    partition still reaches the timeline, the busy seconds and the byte counts, its spans
+    estimated from the timed one's and scaled by its bytes."""
     from dask_overlap.metrics import sampling
 
     monkeypatch.setattr(sampling, "SAMPLE_SECONDS", 3600.0)  # one timed, in any test run
     a = np.random.default_rng(1).standard_normal((700, 64))
-    x = da.from_array(a, chunks=(100, 64))  # 6 partitions of 100 rows, then one of 100
+    x = da.from_array(a, chunks=(100, 64))  # 7 partitions of 100 rows
     x = da.concatenate([x, da.from_array(a[:50], chunks=(50, 64))])  # and one of 50
     rt = dask_overlap.get_runtime("host")
     rt.sampler = sampling.StageSampler()
