@@ -178,7 +178,7 @@ def spinning(fn):
 
 def every_partition_timed(fn):
     """``fn()`` with the lean path timing every partition's stages on the device (no
-    sampling: see dask_overlap/metrics/sampling.py)."""
+    sampling: see dask_overlap/sampling.py)."""
     rt = dask_overlap.get_runtime("cuda")
     sampler, rt.sampler = rt.sampler, None
     try:

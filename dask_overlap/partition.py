@@ -402,7 +402,7 @@ class _LeanRun(_PartitionRun):
                 meter.backpressure += time.perf_counter() - t0
             if not sub.direct and any(sub.to_stage):
                 self._copy_now(sub, Stage.STAGING, self._stage_copies(0), self.backend.stage)
-            # Timed on the device, or now and then only (see metrics/sampling.py).
+            # Timed on the device, or now and then only (see sampling.py).
             sampler, name = rt.sampler, self.spec.key[0]
             timed = sampler is None or sampler.due(name, sub.h2d_bytes, time.monotonic())
             stream = sub.stream = rt.acquire_stream()

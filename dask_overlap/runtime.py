@@ -28,8 +28,8 @@ import dask.config
 from .backends import Backend, Stream, make_backend, resolve_backend
 from .config import Options
 from .copies import Copier, auto_threads
-from .metrics.sampling import StageSampler
 from .process import Registry
+from .sampling import StageSampler
 from .stats import Counters
 
 __all__ = ["Runtime", "Span", "close_runtimes", "idle_stats", "process_runtime", "process_runtimes"]

@@ -18,7 +18,7 @@ class Counters:
     partitions_active: int = 0
     sub_chunks: int = 0
     # Sub-chunks whose stage spans were estimated rather than timed on the device (the
-    # lean path's sampled timing, metrics/sampling.py)
+    # lean path's sampled timing, sampling.py)
     sub_chunks_estimated: int = 0
     bytes_staged: int = 0
     bytes_h2d: int = 0

@@ -459,7 +459,7 @@ def test_small_partitions_are_timed_now_and_then_and_all_reach_the_timeline(
     """The lean path times a small partition's stages on the device only now and then
     (its marks are driver calls): here the first ones, before any was learned. Every
     partition still has its three spans on the timeline, bytes and busy seconds."""
-    from dask_overlap.metrics import sampling
+    from dask_overlap import sampling
 
     monkeypatch.setattr(sampling, "SAMPLE_SECONDS", 3600.0)
     x = np.random.default_rng(6).standard_normal((200 * 64, 128)).astype(np.float32)

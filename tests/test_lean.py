@@ -134,7 +134,7 @@ def test_sampled_timing_times_some_partitions_and_estimates_the_others(monkeypat
     first partition is timed and, within the sampling period, its others are not; every
     partition still reaches the timeline, the busy seconds and the byte counts, its spans
     estimated from the timed one's and scaled by its bytes."""
-    from dask_overlap.metrics import sampling
+    from dask_overlap import sampling
 
     monkeypatch.setattr(sampling, "SAMPLE_SECONDS", 3600.0)  # one timed, in any test run
     a = np.random.default_rng(1).standard_normal((700, 64))

@@ -412,7 +412,7 @@ def test_prometheus_series_follow_the_configured_namespace() -> None:
 
 # -- sampled stage timing (the lean path on CUDA) -----------------------------------------
 def test_the_sampler_times_one_partition_per_period_per_call_and_large_ones_always():
-    from dask_overlap.metrics.sampling import ALWAYS_TIMED_BYTES, SAMPLE_SECONDS, StageSampler
+    from dask_overlap.sampling import ALWAYS_TIMED_BYTES, SAMPLE_SECONDS, StageSampler
 
     s = StageSampler()
     spans = [("h2d", 0.0, 1.0, 100), ("compute", 1.0, 3.0, 100), ("d2h", 3.0, 3.5, 50)]
@@ -430,7 +430,7 @@ def test_the_sampler_times_one_partition_per_period_per_call_and_large_ones_alwa
 
 
 def test_the_sampler_forgets_every_call_past_its_bound():
-    from dask_overlap.metrics import sampling
+    from dask_overlap import sampling
 
     s = sampling.StageSampler()
     for i in range(sampling._CALLS):
