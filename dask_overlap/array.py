@@ -229,7 +229,7 @@ def _check_numblocks(arrays: Sequence[Any], positions: tuple[int, ...], ndim: in
             )
 
 
-def _check_batch(batch: Any, split_axis: int | None, chunks: Any) -> int:
+def _check_batch(batch: Any, split_axis: int | None, chunks: Any, drop_axis: Any) -> int:
     """``batch`` as a positive int, and only where joining blocks is sound."""
     if isinstance(batch, bool) or not isinstance(batch, Integral):
         raise TypeError(f"batch must be a positive integer, got {batch!r}")
@@ -244,6 +244,13 @@ def _check_batch(batch: Any, split_axis: int | None, chunks: Any) -> int:
         raise ValueError(
             f"batch={batch} gives each output block {batch} blocks' extent along split_axis, "
             "which chunks= would contradict: leave chunks out"
+        )
+    if batch > 1 and _as_list(drop_axis):
+        # Dask joins the blocks along a dropped axis itself, before the task, and cannot
+        # join the gathered blocks a batch hands the task.
+        raise ValueError(
+            f"batch={batch} cannot be combined with drop_axis={drop_axis}: Dask joins the "
+            "blocks along a dropped axis itself; rechunk that axis to one block instead"
         )
     return int(batch)
 
@@ -481,7 +488,7 @@ def map_blocks(
         would have had anyway; device blocks on the device), so small chunks pay one
         task's and one partition's overhead per ``k``. The output then has one block
         per ``k`` input blocks along ``split_axis``, and ``block_info``/``block_id``
-        describe those blocks. Needs ``split_axis``; not with ``chunks``.
+        describe those blocks. Needs ``split_axis``; not with ``chunks`` or ``drop_axis``.
 
     Returns
     -------
@@ -509,7 +516,7 @@ def map_blocks(
     if split_axis is not None:
         split_axis = _check_split_axis(split_axis, ndim, drop_axis)
         out_split_axis = _out_axis(ndim, split_axis, drop, new, chunks)
-    batch = _check_batch(batch, split_axis, chunks)
+    batch = _check_batch(batch, split_axis, chunks, drop_axis)
 
     dtype, meta = _dtype_and_meta(
         func,

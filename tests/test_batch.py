@@ -120,6 +120,7 @@ def test_every_out_mode_and_sub_chunks_inside_a_joined_partition(out):
         ({"batch": True}, TypeError, "batch must be a positive integer, got True"),
         ({"batch": 2}, ValueError, "needs split_axis"),
         ({"batch": 2, "split_axis": 0, "chunks": (10, 8)}, ValueError, "leave chunks out"),
+        ({"batch": 2, "split_axis": 0, "drop_axis": 1}, ValueError, "drop_axis=1"),
     ],
 )
 def test_bad_batch_is_refused_before_func_runs(kwargs, error, words):
@@ -178,3 +179,23 @@ def test_batches_across_worker_processes():
     np.testing.assert_array_equal(got, a - 1)
     assert sum(s["partitions"] for s in per_worker.values()) == y.npartitions == 5 * 2
     assert sum(s["bytes_staged"] for s in per_worker.values()) == a.nbytes
+
+
+def test_a_lower_dimensional_array_is_joined_along_its_own_axis():
+    """With split_axis=1 on 2-D blocks, a 1-D array lines up with axis 1 (Dask's
+    broadcasting from the right), so its blocks are joined along its axis 0."""
+    a = grid(6, 40)
+    w = np.arange(40.0)
+    x = da.from_array(a, chunks=(6, 5))
+    v = da.from_array(w, chunks=5)
+    y = dask_overlap.map_blocks(lambda p, q: p * q, x, v, split_axis=1, batch=3)
+    assert y.chunks == ((6,), (15, 15, 10))
+    np.testing.assert_array_equal(y.compute(), a * w)
+
+
+def test_new_axis_with_the_batch_along_a_kept_axis():
+    a = grid(60, 4)
+    x = da.from_array(a, chunks=(10, 4))
+    y = dask_overlap.map_blocks(lambda b: b[:, None, :], x, split_axis=0, batch=4, new_axis=1)
+    assert y.chunks == ((40, 20), (1,), (4,))
+    np.testing.assert_array_equal(y.compute(), a[:, None, :])
