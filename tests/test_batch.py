@@ -199,3 +199,16 @@ def test_new_axis_with_the_batch_along_a_kept_axis():
     y = dask_overlap.map_blocks(lambda b: b[:, None, :], x, split_axis=0, batch=4, new_axis=1)
     assert y.chunks == ((40, 20), (1,), (4,))
     np.testing.assert_array_equal(y.compute(), a[:, None, :])
+
+
+def test_unknown_chunk_sizes_and_a_broadcast_row_along_the_split_axis():
+    a = np.random.default_rng(0).standard_normal((100, 4))
+    x = da.from_array(a, chunks=(10, 4))
+    kept = x[x[:, 0] > 0]  # extents along axis 0 unknown until computed
+    y = dask_overlap.map_blocks(np.negative, kept, split_axis=0, batch=3)
+    assert y.numblocks == (4, 1)
+    np.testing.assert_array_equal(y.compute(), -a[a[:, 0] > 0])
+    row = da.from_array(a[:1], chunks=(1, 4))  # one block of one row: broadcast, not joined
+    z = dask_overlap.map_blocks(lambda p, q: p + q, x, row, split_axis=0, batch=3)
+    assert z.chunks == ((30, 30, 30, 10), (4,))
+    np.testing.assert_array_equal(z.compute(), a + a[:1])
