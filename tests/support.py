@@ -155,6 +155,25 @@ PLUGIN_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
+def compute_on_two_worker_processes(collection: Any) -> tuple[Any, dict[str, dict]]:
+    """``collection`` computed on a real ``LocalCluster`` of two worker processes of two
+    threads each, and each worker's runtime stats afterwards (by worker address)."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            processes=True,
+            n_workers=2,
+            threads_per_worker=2,
+            dashboard_address=":0",
+            worker_dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        got = collection.compute()
+        return got, client.run(dask_overlap.runtime_stats)
+
+
 def plugin(backend: str = "host", **options: Any) -> OverlapPlugin:
     """A plugin of :data:`PLUGIN_OPTIONS` for ``backend``, with ``options`` changed."""
     return OverlapPlugin(**{**PLUGIN_OPTIONS[backend], **options})

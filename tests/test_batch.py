@@ -8,7 +8,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from support import wait_until_idle
+from support import compute_on_two_worker_processes, wait_until_idle
 
 import dask_overlap
 from dask_overlap.pieces import Pieces
@@ -159,23 +159,10 @@ def test_pieces_pickle_with_their_blocks():
 
 @pytest.mark.timeout(120)
 def test_batches_across_worker_processes():
-    from distributed import Client, LocalCluster
-
     a = grid(200, 16)
     x = da.from_array(a, chunks=(10, 8))
     y = dask_overlap.map_blocks(lambda b: b - 1, x, split_axis=0, batch=4)
-    with (
-        LocalCluster(
-            processes=True,
-            n_workers=2,
-            threads_per_worker=2,
-            dashboard_address=":0",
-            worker_dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        got = y.compute()
-        per_worker = client.run(dask_overlap.runtime_stats)
+    got, per_worker = compute_on_two_worker_processes(y)
     np.testing.assert_array_equal(got, a - 1)
     assert sum(s["partitions"] for s in per_worker.values()) == y.npartitions == 5 * 2
     assert sum(s["bytes_staged"] for s in per_worker.values()) == a.nbytes

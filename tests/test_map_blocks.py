@@ -9,6 +9,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.utils import parse_bytes
+from support import compute_on_two_worker_processes
 
 import dask_overlap
 from dask_overlap.engine import plan_sub_chunks
@@ -464,23 +465,10 @@ def test_drop_axis_and_new_axis_together():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_local_cluster_processes():
-    from distributed import Client, LocalCluster
-
     x = da.from_array(random_array((64, 32), np.float32, 15), chunks=(16, 32))
     y = dask_overlap.map_blocks(twice_plus_one, x, split_axis=0, sub_chunk_bytes=512)
     expected = da.map_blocks(twice_plus_one, x).compute()
-    with (
-        LocalCluster(
-            processes=True,
-            n_workers=2,
-            threads_per_worker=2,
-            dashboard_address=":0",
-            worker_dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        got = y.compute()
-        per_worker = client.run(dask_overlap.runtime_stats)
+    got, per_worker = compute_on_two_worker_processes(y)
     assert got.tobytes() == expected.tobytes()
     assert sum(s["partitions"] for s in per_worker.values()) == x.npartitions
     assert sum(s["sub_chunks"] for s in per_worker.values()) == 4 * x.npartitions
