@@ -176,6 +176,11 @@ def spinning(fn):
         cuda.CudaStream.run = run_before
 
 
+def spinning_without_marks(fn):
+    """``fn()`` with spinning completion events and no stage marks."""
+    return spinning(lambda: without_marks(fn))
+
+
 def every_partition_timed(fn):
     """``fn()`` with the lean path timing every partition's stages on the device (no
     sampling: see dask_overlap/sampling.py)."""
@@ -232,27 +237,20 @@ def cases() -> dict:
             f"{got[name + '4'][0]}, unfused",
             lambda y=y: unfused(lambda: dask.persist(y, num_workers=4)),
         )
+    # dask_overlap out=pinned on 4 threads, with one part of it changed (for A/Bs in one
+    # process): name, what changes, the wrapper that changes it around the run.
     y = dask_overlap.map_blocks(f, x, dtype=np.float32, out="pinned")
-    got["nomarks4"] = (
-        "dask_overlap out=pinned, 4 threads, no stage marks",
-        lambda y=y: without_marks(lambda: dask.persist(y, num_workers=4)),
-    )
-    got["timeall4"] = (
-        "dask_overlap out=pinned, 4 threads, every partition timed",
-        lambda y=y: every_partition_timed(lambda: dask.persist(y, num_workers=4)),
-    )
-    got["nocache4"] = (
-        "dask_overlap out=pinned, 4 threads, no device or pinned caches",
-        lambda y=y: without_caches(lambda: dask.persist(y, num_workers=4)),
-    )
-    got["ourspin4"] = (
-        "dask_overlap out=pinned, 4 threads, spinning completion events",
-        lambda y=y: spinning(lambda: dask.persist(y, num_workers=4)),
-    )
-    got["ourspinnomarks4"] = (
-        "dask_overlap out=pinned, 4 threads, spinning, no stage marks",
-        lambda y=y: spinning(lambda: without_marks(lambda: dask.persist(y, num_workers=4))),
-    )
+    for name, change, wrap in (
+        ("nomarks4", "no stage marks", without_marks),
+        ("timeall4", "every partition timed", every_partition_timed),
+        ("nocache4", "no device or pinned caches", without_caches),
+        ("ourspin4", "spinning completion events", spinning),
+        ("ourspinnomarks4", "spinning, no stage marks", spinning_without_marks),
+    ):
+        got[name] = (
+            f"dask_overlap out=pinned, 4 threads, {change}",
+            lambda y=y, wrap=wrap: wrap(lambda: dask.persist(y, num_workers=4)),
+        )
     y = dask_overlap.map_blocks(f, x, dtype=np.float32)
     got["host4"] = ("dask_overlap out=host, 4 threads", lambda y=y: dask.persist(y, num_workers=4))
     return got
