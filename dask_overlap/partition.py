@@ -38,7 +38,7 @@ from .infer import refuse_block
 from .layout import Layout, auto_sub_chunk_bytes, layout, whole
 from .metrics import TaskMeter, nvtx_range
 from .output import PartitionOutput
-from .pieces import Pieces, join
+from .pieces import Pieces, PinnedBlocks, join
 from .results import check_split_extent, not_an_array, partition_name
 from .runtime import Runtime
 from .subchunks import Admission, SubChunk
@@ -101,6 +101,8 @@ def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
             args[p] = a
             if copied:
                 rt.counters.add(bytes_staged=copied)
+            if type(a) is PinnedBlocks:
+                continue  # copied to the device block by block
         if type(a) is not np.ndarray and not is_device(a):
             # A subclass whose meaning the copies would lose.
             refuse_block(a, partition_name(spec.key))
@@ -273,7 +275,10 @@ class _PartitionRun:
                 marks = [mark(stream)]
                 dev = []
                 for x in sub.inputs:
-                    dev.append(backend.copy_in(stream, x))
+                    if type(x) is PinnedBlocks:  # a batch's pinned blocks (pieces.py)
+                        dev.append(backend.copy_in_blocks(stream, x))
+                    else:
+                        dev.append(backend.copy_in(stream, x))
                 marks.append(mark(stream))
                 sub.stage_now = Stage.COMPUTE
                 args = list(self.args)

@@ -14,6 +14,7 @@ from typing import Any
 from .backends.base import Backend
 from .engine import Stage
 from .layout import Layout
+from .pieces import PinnedBlocks
 
 __all__ = ["Admission", "SubChunk"]
 
@@ -127,8 +128,11 @@ class Admission:
             sub.need, sub.direct = 0, True
             return sub
         to_stage = [
-            # Pinned and contiguous input is copied from directly.
-            not dev and x.nbytes > 0 and not (pinned and x.flags.c_contiguous)
+            # Pinned and contiguous input is copied from directly (pinned blocks of a
+            # batch block by block).
+            not dev
+            and x.nbytes > 0
+            and not (pinned and (type(x) is PinnedBlocks or x.flags.c_contiguous))
             for x, dev, pinned in zip(inputs, on_device, self._pinned_inputs(), strict=True)
         ]
         return SubChunk(inputs, to_stage, h2d)
@@ -151,7 +155,7 @@ class Admission:
         if self._pinned is None:
             is_device, is_pinned = self.backend.is_device, self.backend.is_pinned
             self._pinned = [
-                not is_device(a) and a.nbytes > 0 and is_pinned(a)
+                type(a) is PinnedBlocks or (not is_device(a) and a.nbytes > 0 and is_pinned(a))
                 for a in (self.args[p] for p in self.lay.axes)
             ]
         return self._pinned

@@ -11,7 +11,8 @@ import pytest
 from support import compute_on_two_worker_processes, wait_until_idle
 
 import dask_overlap
-from dask_overlap.pieces import Pieces
+from dask_overlap.layout import along
+from dask_overlap.pieces import Pieces, PinnedBlocks
 
 
 def grid(rows: int = 100, cols: int = 8) -> np.ndarray:
@@ -155,6 +156,75 @@ def test_pieces_pickle_with_their_blocks():
     p = Pieces(1, (np.ones((2, 3)), np.zeros((2, 1))))
     q = pickle.loads(pickle.dumps(p))
     assert q.axis == 1 and [b.tolist() for b in q.blocks] == [b.tolist() for b in p.blocks]
+
+
+@pytest.mark.parametrize(
+    "axis, chunks, sub_rows",
+    [
+        (0, (10, 10), None),  # one sub-chunk a partition
+        (0, (10, 10), 7),  # sub-chunks that straddle the blocks
+        (1, (100, 1), None),  # every block's part is rows of the join
+        (1, (100, 1), 3),
+    ],
+)
+def test_pinned_blocks_are_copied_in_one_by_one_and_not_joined_on_the_host(axis, chunks, sub_rows):
+    a = grid(100, 10)  # ten blocks along either axis: batches of 4, 4 and 2
+    # A first stage whose result blocks stay in the pinned pool (out="pinned").
+    (x,) = dask.persist(
+        dask_overlap.map_blocks(lambda b: b + 1, da.from_array(a, chunks=chunks), out="pinned")
+    )
+    before = wait_until_idle()
+    row = a.nbytes // a.shape[axis]
+    sub = "auto" if sub_rows is None else sub_rows * row
+    seen: list[tuple[int, ...]] = []
+
+    def f(b: Any) -> Any:
+        if b.size:  # (not the call on empty blocks that infers the meta)
+            seen.append(b.shape)
+        return b * 2
+
+    y = dask_overlap.map_blocks(f, x, split_axis=axis, batch=4, sub_chunk_bytes=sub, dtype=a.dtype)
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), (a + 1) * 2)
+    after = wait_until_idle()
+    moved = {k: after[k] - before[k] for k in ("partitions", "bytes_staged", "bytes_h2d")}
+    # Nothing joined or staged on the host: every byte went to the device straight from
+    # the blocks it was in.
+    assert moved == {"partitions": 3, "bytes_staged": 0, "bytes_h2d": a.nbytes}
+    assert after["pinned_fallbacks"] == 0
+    extents = [s[axis] for s in seen]
+    joined = [n * a.shape[axis] // 10 for n in (4, 4, 2)]
+    if sub_rows is None:
+        assert extents == joined  # func sees each batch's join
+    else:  # cut into sub-chunks of at most sub_rows, some straddling two blocks
+        assert sum(extents) == a.shape[axis] and max(extents) <= sub_rows
+        assert len(extents) == sum(-(-n // sub_rows) for n in joined)
+
+
+def test_pinned_and_pageable_blocks_in_one_batch_are_joined_on_the_host():
+    a = grid()
+    (pinned,) = dask.persist(
+        dask_overlap.map_blocks(np.negative, da.from_array(a[:50], chunks=(10, 8)), out="pinned")
+    )
+    x = da.concatenate([pinned, da.from_array(a[50:], chunks=(10, 8))])
+    before = wait_until_idle()
+    y = dask_overlap.map_blocks(lambda b: b * 3, x, split_axis=0, batch=4)
+    np.testing.assert_array_equal(y.compute(), np.concatenate([-a[:50], a[50:]]) * 3)
+    after = wait_until_idle()
+    # Blocks 0-3 pinned (copied in one by one), 4-7 and 8-9 mixed or pageable (joined).
+    assert after["bytes_staged"] - before["bytes_staged"] == a.nbytes * 6 // 10
+
+
+def test_pinned_blocks_stand_for_their_join():
+    blocks = (np.arange(6.0).reshape(2, 3), np.arange(6.0, 15.0).reshape(3, 3))
+    p = PinnedBlocks.of(0, blocks)
+    assert (p.shape, p.nbytes, p.ndim, p.size, p.row_bytes) == ((5, 3), 120, 2, 15, 24)
+    part = p[along(0, 1, 4)]  # as a layout cuts a sub-chunk
+    assert part.shape == (3, 3)
+    assert [(lo, hi, at) for _, lo, hi, at in part.parts()] == [(1, 2, 0), (0, 2, 1)]
+    np.testing.assert_array_equal(np.concatenate(part.views()), np.arange(3.0, 12.0).reshape(3, 3))
+    assert p[along(0, 4, 9)].shape == (1, 3) and p[along(0, 2, 2)].parts() == []
+    with pytest.raises(TypeError, match="cut along their axis only"):
+        p[along(1, 1, 2)]
 
 
 @pytest.mark.timeout(120)

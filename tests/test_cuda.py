@@ -483,30 +483,49 @@ def test_small_partitions_are_timed_now_and_then_and_all_reach_the_timeline(
     assert all(stats["busy_seconds"][k] > 0 for k in ("h2d", "compute", "d2h"))
 
 
-@pytest.mark.parametrize("source", ["pageable", "pinned", "device"])
-def test_batched_blocks_are_joined_once_and_copied_in_directly(source: str) -> None:
-    """batch=4 on the GPU: host blocks are joined into one pinned-pool block (the only
-    host copy: counted as staged, nothing else staged or fallen back), device blocks on
-    the device; the results are right whatever the blocks were."""
+@pytest.mark.parametrize(
+    "source, axis, sub_rows",
+    [
+        ("pageable", 0, None),
+        ("pinned", 0, None),
+        ("pool", 0, None),
+        ("pool", 0, 100),  # sub-chunks straddling the pinned blocks
+        ("pool", 1, 24),  # the blocks' parts are rows of the join: 2-D copies
+        ("device", 0, None),
+    ],
+)
+def test_batched_blocks_are_joined_once_and_copied_in_directly(
+    source: str, axis: int, sub_rows: int | None
+) -> None:
+    """batch=4 on the GPU: pageable blocks are joined into one pinned-pool block (the only
+    host copy: counted as staged, nothing else staged or fallen back); pinned blocks (a
+    pinned array's, or the pool's from out="pinned") are not joined on the host but copied
+    to the device one by one, straight into their places; device blocks are joined on the
+    device. The results are right whatever the blocks were."""
     import cupyx
 
-    a = np.random.default_rng(7).standard_normal((40 * 64, 128)).astype(np.float32)
+    a = np.random.default_rng(7).standard_normal((40 * 64, 40 * 8)).astype(np.float32)
     if source == "pinned":
         host = cupyx.empty_pinned(a.shape, a.dtype)
         host[...] = a
         a = host
-    x = da.from_array(a, chunks=(64, 128))
-    if source == "device":
-        (x,) = dask.persist(dask_overlap.map_blocks(lambda b: b + 0, x, out="device"))
+    x = da.from_array(a, chunks=(64, a.shape[1]) if axis == 0 else (a.shape[0], 8))
+    if source in ("pool", "device"):
+        out = "pinned" if source == "pool" else "device"
+        (x,) = dask.persist(dask_overlap.map_blocks(lambda b: b + 0, x, out=out))
     before = runtime().stats()
-    y = dask_overlap.map_blocks(affine, x, split_axis=0, batch=4)
-    assert y.numblocks == (10, 1)
+    row = a.nbytes // a.shape[axis]
+    sub = "auto" if sub_rows is None else sub_rows * row
+    y = dask_overlap.map_blocks(affine, x, split_axis=axis, batch=4, sub_chunk_bytes=sub)
+    assert y.numblocks == ((10, 1) if axis == 0 else (1, 10))
     np.testing.assert_array_equal(y.compute(), affine(np.asarray(a)))
     after = runtime().stats()
     moved = {k: after[k] - before[k] for k in ("partitions", "bytes_staged", "bytes_h2d")}
-    n = 0 if source == "device" else a.nbytes
-    # Device blocks are joined on the device: nothing staged, nothing copied in.
-    assert moved == {"partitions": 10, "bytes_staged": n, "bytes_h2d": n}
+    staged = a.nbytes if source == "pageable" else 0
+    h2d = 0 if source == "device" else a.nbytes  # device blocks: joined on the device
+    assert moved == {"partitions": 10, "bytes_staged": staged, "bytes_h2d": h2d}
+    if sub_rows is not None:
+        assert after["sub_chunks"] - before["sub_chunks"] > 10
     assert after["partitions_failed"] == 0 and after["pinned_fallbacks"] == 0
 
 

@@ -96,6 +96,11 @@ class Backend(Protocol):
     def copy_in(self, stream: Stream, host: np.ndarray) -> Any:
         """Device copy of ``host``; called in ``stream``'s order."""
 
+    def copy_in_blocks(self, stream: Stream, blocks: Any) -> Any:
+        """Device copy of the join of pinned host blocks (a ``pieces.PinnedBlocks``: its
+        ``shape``, ``dtype``, ``axis`` and ``parts()``), each part copied into its place;
+        called in ``stream``'s order."""
+
     def compute(self, stream: Stream, func: Callable[..., Any], args: list, kwargs: dict) -> Any:
         """``func(*args, **kwargs)`` on ``stream``; returns a device array."""
 

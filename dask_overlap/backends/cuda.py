@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import queue
 import threading
 import time
@@ -718,6 +719,27 @@ class CudaBackend:
                 cupy.cuda.runtime.memcpy2DAsync(
                     dev.data.ptr, width, host.ctypes.data, pitch, width, height, _H2D, stream.ptr
                 )
+            return dev
+
+    def copy_in_blocks(self, stream: CudaStream, blocks: Any) -> cupy.ndarray:
+        with self.trace.span(stream, "h2d"):
+            dev = cupy.empty(blocks.shape, blocks.dtype)  # from the RMM pool, on ``stream``
+            # Rows along the blocks' axis: each block's part is ``height`` runs of
+            # ``width`` bytes, ``pitch`` apart in the block and ``dpitch`` in ``dev``.
+            row, axis = blocks.row_bytes, blocks.axis
+            height = math.prod(blocks.shape[:axis])
+            dpitch = blocks.shape[axis] * row
+            base = dev.data.ptr
+            for b, lo, hi, at in blocks.parts():
+                width = (hi - lo) * row
+                src = b.ctypes.data + lo * row  # pinned, C-contiguous: asynchronous
+                if height == 1:
+                    cupy.cuda.runtime.memcpyAsync(base + at * row, src, width, _H2D, stream.ptr)
+                else:
+                    pitch = b.shape[axis] * row
+                    cupy.cuda.runtime.memcpy2DAsync(
+                        base + at * row, dpitch, src, pitch, width, height, _H2D, stream.ptr
+                    )
             return dev
 
     def compute(

@@ -132,6 +132,9 @@ class HostBackend:
         # The "device" copy keeps the input's layout, as cupy.asarray does.
         return np.array(host, copy=True)
 
+    def copy_in_blocks(self, stream: Any, blocks: Any) -> np.ndarray:
+        return np.concatenate(blocks.views(), axis=blocks.axis)
+
     def compute(self, stream: Any, func: Callable[..., Any], args: list, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 

@@ -88,6 +88,10 @@ class TimedBackend(HostBackend):
         with self.h2d_engine.run(host.nbytes / self.model.h2d_bandwidth):
             return super().copy_in(stream, host)
 
+    def copy_in_blocks(self, stream: Any, blocks: Any) -> np.ndarray:
+        with self.h2d_engine.run(blocks.nbytes / self.model.h2d_bandwidth):
+            return super().copy_in_blocks(stream, blocks)
+
     def compute(self, stream: Any, func: Callable[..., Any], args: list, kwargs: dict) -> Any:
         nbytes = sum(a.nbytes for a in args if isinstance(a, np.ndarray))
         with self.compute_engine.run(self.model.kernel_time(nbytes)):
