@@ -71,8 +71,19 @@ def show_bytes(n: int | str) -> str:
 
 
 def same_chunks(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
-    """Element-by-element equality of two lists of chunks."""
-    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    """Element-by-element equality of two lists of row blocks, whatever their cuts (a
+    batch's blocks are several of the naive path's), without joining either."""
+    i = j = at_a = at_b = 0
+    while i < len(a) and j < len(b):
+        n = min(len(a[i]) - at_a, len(b[j]) - at_b)
+        if not np.array_equal(a[i][at_a : at_a + n], b[j][at_b : at_b + n]):
+            return False
+        at_a, at_b = at_a + n, at_b + n
+        if at_a == len(a[i]):
+            i, at_a = i + 1, 0
+        if at_b == len(b[j]):
+            j, at_b = j + 1, 0
+    return all(len(x) == 0 for x in a[i:]) and all(len(y) == 0 for y in b[j:])
 
 
 def engine_busy(spans: list, start: float, end: float) -> dict[str, float]:

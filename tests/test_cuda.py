@@ -505,11 +505,11 @@ def test_batched_blocks_are_joined_once_and_copied_in_directly(
     import cupyx
 
     a = np.random.default_rng(7).standard_normal((40 * 64, 40 * 8)).astype(np.float32)
-    if source == "pinned":
+    x = da.from_array(a, chunks=(64, a.shape[1]) if axis == 0 else (a.shape[0], 8))
+    if source == "pinned":  # a pinned array's row blocks (from_array would copy them)
         host = cupyx.empty_pinned(a.shape, a.dtype)
         host[...] = a
-        a = host
-    x = da.from_array(a, chunks=(64, a.shape[1]) if axis == 0 else (a.shape[0], 8))
+        x = views(host, 64)
     if source in ("pool", "device"):
         out = "pinned" if source == "pool" else "device"
         (x,) = dask.persist(dask_overlap.map_blocks(lambda b: b + 0, x, out=out))
