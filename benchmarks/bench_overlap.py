@@ -242,7 +242,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each path; best kept")
     p.add_argument(
-        "--batch", type=int, default=1, help="blocks joined per partition (map_blocks batch=)"
+        "--batch",
+        type=lambda s: s if s == "auto" else int(s),
+        default="auto",
+        help="blocks joined per partition (map_blocks batch=; default: its default, auto)",
     )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--timeline-json", default=None, help="write the fastest run's stage spans here")

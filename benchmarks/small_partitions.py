@@ -10,8 +10,10 @@ task threads, the copy threads, the stream waiters), per partition.
 
 ``--direct-off`` runs the sizes at or under ``direct-bytes`` a second time with
 ``direct-bytes: 0`` (every sub-chunk through the ring), to show what skipping it gains.
-``--batch 4,8`` runs each size again with ``map_blocks(..., batch=k)`` (k blocks joined
-per partition; the output's blocks are k times larger), in the same process.
+Every size runs with ``map_blocks``'s default ``batch="auto"`` (blocks under 64 MiB
+joined into partitions of about 64 MiB, the output cut back into the blocks); ``--batch
+1,4`` runs each size again with ``map_blocks(..., batch=k)`` (1: a partition a block; k:
+k blocks joined per partition, the output's blocks k times larger), in the same process.
 ``--profile N`` prints the top N functions of one run at ``--profile-size`` (cProfile,
 on the synchronous scheduler, so that the profiler sees the tasks).
 
@@ -39,7 +41,7 @@ from bench_overlap import write_json
 SIZES = {"256MiB": "4GiB", "16MiB": "2GiB", "4MiB": "1GiB", "1MiB": "512MiB", "256KiB": "128MiB"}
 
 
-def case(partition: str, size: str, args: argparse.Namespace, batch: int = 1) -> dict:
+def case(partition: str, size: str, args: argparse.Namespace, batch: int | str = "auto") -> dict:
     argv = [
         "--backend", args.backend, "--workload", "balanced", "--pinned-input",
         "--size", size, "--partition", partition, "--threads", args.threads,
@@ -95,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
             with dask.config.set({"overlap.direct-bytes": 0}):
                 row["through_the_ring"] = case(part, size, args)
         for k in (int(b) for b in args.batch.split(",") if b.strip()):
-            if k > 1:
-                row[f"batch_{k}"] = case(part, size, args, k)
+            row[f"batch_{k}"] = case(part, size, args, k)
     print(f"\n{result['device']}: balanced, pinned input, out={args.out}, default settings")
     print(f"{'partition':>10} {'GB/s':>7} {'bound':>7} {'of bound':>9} {'host us/part':>13}")
     for part, r in result["sizes"].items():

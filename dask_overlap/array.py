@@ -10,6 +10,7 @@ through this process's (or this worker's) runtime.
 from __future__ import annotations
 
 import math
+import operator
 import reprlib
 import sys
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from .backends import resolve_backend
 from .config import Options
 from .current import get_runtime
 from .infer import infer_dtype, refuse_subclasses
+from .layout import AUTO_MIN_BYTES, along
 from .partition import OUT_MODES, PartitionSpec, run_partition
 from .pieces import gather
 
@@ -229,10 +231,13 @@ def _check_numblocks(arrays: Sequence[Any], positions: tuple[int, ...], ndim: in
             )
 
 
-def _check_batch(batch: Any, split_axis: int | None, chunks: Any, drop_axis: Any) -> int:
-    """``batch`` as a positive int, and only where joining blocks is sound."""
+def _check_batch(batch: Any, split_axis: int | None, chunks: Any, drop_axis: Any) -> int | str:
+    """``batch`` as a positive int or ``"auto"``, and a number only where joining blocks
+    is sound (``"auto"`` joins none where it is not: see :func:`_auto_batch`)."""
+    if batch == "auto" and type(batch) is str:
+        return batch
     if isinstance(batch, bool) or not isinstance(batch, Integral):
-        raise TypeError(f"batch must be a positive integer, got {batch!r}")
+        raise TypeError(f"batch must be a positive integer or 'auto', got {batch!r}")
     if batch < 1:
         raise ValueError(f"batch must be at least 1 (1: one block per partition), got {batch}")
     if batch > 1 and split_axis is None:
@@ -253,6 +258,87 @@ def _check_batch(batch: Any, split_axis: int | None, chunks: Any, drop_axis: Any
             "blocks along a dropped axis itself; rechunk that axis to one block instead"
         )
     return int(batch)
+
+
+#: ``batch="auto"`` leaves at least this many partitions along the split axis.
+AUTO_MIN_PARTITIONS = 8
+
+
+def _auto_batch(
+    func: Callable[..., Any],
+    arrays: Sequence[Any],
+    positions: tuple[int, ...],
+    ndim: int,
+    split_axis: int | None,
+    chunks: Any,
+    drop_axis: Any,
+) -> int:
+    """``batch="auto"``: how many blocks along ``split_axis`` make a partition of about
+    ``AUTO_MIN_BYTES`` in, counting the arrays that would be joined (those with more than
+    one block along it); 1 where joining is not sound (no ``split_axis``, ``chunks=``,
+    ``drop_axis``), where ``func`` asks which block it has (``block_id``, ``block_info``:
+    a batch's would not be the output block's), where a block's size is not known, or
+    where blocks are that large.
+
+    The size is the one below which a partition is never cut into sub-chunks, and on the
+    H200 partitions of it ran at 0.77-0.82 of the bound where 4 and 16 MiB ones ran at
+    0.15-0.49 (``benchmarks/small_partitions.py``). It never leaves fewer than
+    ``AUTO_MIN_PARTITIONS`` partitions: a small array's blocks stay spread over the
+    cluster's workers and a worker's threads.
+    """
+    if split_axis is None or chunks is not None or _as_list(drop_axis):
+        return 1
+    if has_keyword(func, "block_id") or has_keyword(func, "block_info"):
+        return 1
+    per_block, blocks = 0, 1
+    for i in positions:
+        x = arrays[i]
+        ax = split_axis - (ndim - x.ndim)
+        if ax < 0 or x.numblocks[ax] == 1:
+            continue  # broadcast along the axis: not joined
+        if any(math.isnan(c) for cs in x.chunks for c in cs):
+            return 1  # an extent Dask does not know yet
+        per_block += math.prod(max(cs) for cs in x.chunks) * x.dtype.itemsize
+        blocks = max(blocks, x.numblocks[ax])
+    if per_block == 0:
+        return 1
+    return max(1, min(AUTO_MIN_BYTES // per_block, blocks // AUTO_MIN_PARTITIONS))
+
+
+def _chunks_along(
+    arrays: Sequence[Any], positions: tuple[int, ...], ndim: int, split_axis: int
+) -> tuple[int, ...]:
+    """The blocks' extents along ``split_axis`` (of an array with more than one there)."""
+    for i in positions:
+        x = arrays[i]
+        ax = split_axis - (ndim - x.ndim)
+        if ax >= 0 and x.numblocks[ax] > 1:
+            return x.chunks[ax]
+    raise AssertionError("no array has blocks to join along split_axis")
+
+
+def _unbatched(
+    y: da.Array, axis: int, chunks: tuple[int, ...], k: int, name: str | None
+) -> da.Array:
+    """``y``, whose blocks along ``axis`` are batches of ``k`` blocks of extents ``chunks``,
+    cut back into those blocks (named ``name``, if given): one slice task a block, a view
+    of its batch's output. (Dask's ``rechunk`` makes the same cut with a copy a block.)"""
+    name = name or "overlap-unbatch-" + tokenize(y.name, axis, chunks, k)
+    grid = [len(chunks) if d == axis else n for d, n in enumerate(y.numblocks)]
+    offsets = [0] * len(chunks)  # where each block starts in its batch
+    for j in range(len(chunks)):
+        if j % k:
+            offsets[j] = offsets[j - 1] + chunks[j - 1]
+    dsk: dict = {}
+    for idx in np.ndindex(*grid):
+        j = idx[axis]
+        lo = offsets[j]
+        source = (y.name, *idx[:axis], j // k, *idx[axis + 1 :])
+        dsk[(name, *idx)] = (operator.getitem, source, along(axis, lo, lo + chunks[j]))
+    out_chunks = list(y.chunks)
+    out_chunks[axis] = tuple(chunks)
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[y])
+    return da.Array(graph, name, tuple(out_chunks), meta=y._meta)
 
 
 def _joined(
@@ -431,7 +517,7 @@ def map_blocks(
     sub_chunk_bytes: int | str | None = None,
     in_flight: int | None = None,
     out: str = "host",
-    batch: int = 1,
+    batch: int | str = "auto",
     meta: Any = None,
     name: str | None = None,
     token: str | None = None,
@@ -482,13 +568,20 @@ def map_blocks(
         (NumPy on the host path), and nothing is copied back; ``meta`` is then a CuPy
         array when the backend resolves to ``cuda`` in the calling process.
     batch
-        Blocks per partition along ``split_axis`` (default 1). With ``batch=k`` each
-        partition task gets ``k`` consecutive blocks and joins them (host blocks into one
-        block of the pinned pool, which for pageable blocks is the staging copy they
-        would have had anyway; device blocks on the device), so small chunks pay one
-        task's and one partition's overhead per ``k``. The output then has one block
-        per ``k`` input blocks along ``split_axis``, and ``block_info``/``block_id``
-        describe those blocks. Needs ``split_axis``; not with ``chunks`` or ``drop_axis``.
+        Blocks per partition along ``split_axis``. With ``batch=k`` each partition task
+        gets ``k`` consecutive blocks and joins them (pageable blocks into one block of
+        the pinned pool, which is the staging copy they would have had anyway; pinned
+        blocks straight into one device array, a copy each; device blocks on the
+        device), so small chunks pay one task's and one partition's overhead per ``k``.
+        The output then has one block per ``k`` input blocks along ``split_axis``, and
+        ``block_info``/``block_id`` describe those blocks. Needs ``split_axis``; not with
+        ``chunks`` or ``drop_axis``. ``"auto"`` (default): joins blocks smaller than
+        64 MiB into partitions of about 64 MiB where that is sound (``split_axis`` given,
+        neither ``chunks`` nor ``drop_axis``, a ``func`` that takes neither ``block_id``
+        nor ``block_info``, block sizes known) and cuts each partition's output back
+        into its blocks (views), so the output's chunks are the blocks' as with
+        ``batch=1``; elsewhere it is 1. ``split_axis`` already lets ``func`` see any
+        slice along the axis: sub-chunks cut a partition, batches join several.
 
     Returns
     -------
@@ -530,6 +623,11 @@ def map_blocks(
         out_mode=out,
     )
     task = _partition_task(func, opts, positions, ndim, split_axis, out_split_axis, out)
+    split_back = None  # batch="auto": the output's chunks along the split axis, kept
+    if batch == "auto":
+        batch = _auto_batch(func, arrays, positions, ndim, split_axis, chunks, drop_axis)
+        if batch > 1:
+            split_back = _chunks_along(arrays, positions, ndim, split_axis)
     if batch > 1:
         arrays = tuple(_joined(arrays, positions, ndim, split_axis, batch))
     result = da.map_blocks(
@@ -540,12 +638,15 @@ def map_blocks(
         drop_axis=drop_axis,
         new_axis=new_axis,
         meta=meta,
-        name=name,
+        # A name given is the array returned: with batch="auto", the unbatched one.
+        name=name if name is None or split_back is None else f"{name}-batched",
         token=token or funcname(func),
         **kwargs,
     )
     task.declare_output(result)
     _keep_unfused(result)
+    if split_back is not None:
+        result = _unbatched(result, out_split_axis, split_back, batch, name)
     return result
 
 

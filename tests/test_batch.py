@@ -117,8 +117,8 @@ def test_every_out_mode_and_sub_chunks_inside_a_joined_partition(out):
     "kwargs, error, words",
     [
         ({"batch": 0}, ValueError, "batch must be at least 1"),
-        ({"batch": 2.0}, TypeError, "batch must be a positive integer, got 2.0"),
-        ({"batch": True}, TypeError, "batch must be a positive integer, got True"),
+        ({"batch": 2.0}, TypeError, "batch must be a positive integer or .auto., got 2.0"),
+        ({"batch": True}, TypeError, "batch must be a positive integer or .auto., got True"),
         ({"batch": 2}, ValueError, "needs split_axis"),
         ({"batch": 2, "split_axis": 0, "chunks": (10, 8)}, ValueError, "leave chunks out"),
         ({"batch": 2, "split_axis": 0, "drop_axis": 1}, ValueError, "drop_axis=1"),

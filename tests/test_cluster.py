@@ -50,7 +50,7 @@ def client(cluster: LocalCluster) -> Iterator[Client]:
 
 def test_results_equal_dask_and_both_workers_share_their_runtime(client: Client) -> None:
     x = da.random.random((4000, 256), chunks=(250, 256))  # 16 partitions of 500 kB
-    ours = dask_overlap.map_blocks(func, x, split_axis=0, sub_chunk_bytes="64KiB")
+    ours = dask_overlap.map_blocks(func, x, split_axis=0, batch=1, sub_chunk_bytes="64KiB")
     theirs = da.map_blocks(func, x)
     ours, theirs = client.persist([ours, theirs])
     wait([ours, theirs])

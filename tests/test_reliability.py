@@ -705,12 +705,13 @@ def stress_data(backend: str, seed: int) -> tuple[da.Array, np.ndarray, int, int
 
 
 def stress_graph(x: da.Array, sub1: int, sub2: int) -> da.Array:
+    # A thousand partitions (batch=1: none joined), each cut into sub-chunks.
     y = dask_overlap.map_blocks(
-        lambda b: b * 3 + 1, x, split_axis=0, sub_chunk_bytes=sub1, in_flight=3
+        lambda b: b * 3 + 1, x, split_axis=0, batch=1, sub_chunk_bytes=sub1, in_flight=3
     )
     # the second stage reads the first's outputs where they are (pinned when local)
     return dask_overlap.map_blocks(
-        lambda b: (b ^ 0x5A5A) - 7, y, split_axis=0, sub_chunk_bytes=sub2
+        lambda b: (b ^ 0x5A5A) - 7, y, split_axis=0, batch=1, sub_chunk_bytes=sub2
     )
 
 
@@ -757,12 +758,17 @@ def test_two_clients_at_once(cluster: LocalCluster, backend: str) -> None:
         register(ca, backend, pinned_pool_size=pool)
         ca.run(hold, gate)
         a = dask_overlap.map_blocks(
-            a_func, da.from_array(a_data, chunks=(chunk, cols)), split_axis=0, sub_chunk_bytes=sub_a
+            a_func,
+            da.from_array(a_data, chunks=(chunk, cols)),
+            split_axis=0,
+            batch=1,
+            sub_chunk_bytes=sub_a,
         )
         b = dask_overlap.map_blocks(
             lambda blk: blk ^ 5,
             da.from_array(b_data, chunks=(chunk, cols)),
             split_axis=0,
+            batch=1,
             sub_chunk_bytes=sub_b,
         )
         fa = ca.compute(a)

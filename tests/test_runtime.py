@@ -234,7 +234,9 @@ def test_many_partitions_at_once_share_the_runtime():
     """Partitions run concurrently on the scheduler's threads; the counters stay exact."""
     a = np.random.default_rng(0).standard_normal((64, 32))
     x = da.from_array(a, chunks=(4, 32))
-    y = dask_overlap.map_blocks(np.cos, x, split_axis=0, sub_chunk_bytes=32 * 8, in_flight=2)
+    y = dask_overlap.map_blocks(
+        np.cos, x, split_axis=0, batch=1, sub_chunk_bytes=32 * 8, in_flight=2
+    )
     with dask.config.set(num_workers=8):
         np.testing.assert_array_equal(y.compute(), np.cos(a))
     stats = wait_until_idle()

@@ -1,0 +1,193 @@
+"""``batch="auto"`` (the default): small blocks joined into partitions of about 64 MiB where
+that is sound, and each partition's output cut back into its blocks."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from support import (
+    compute_on_two_worker_processes,
+    pinned_in_use_once_collected,
+    wait_until_idle,
+)
+
+import dask_overlap
+import dask_overlap.array
+
+
+def grid(rows: int = 120, cols: int = 8) -> np.ndarray:
+    return np.arange(rows * cols, dtype=np.float64).reshape(rows, cols)
+
+
+@pytest.fixture
+def batch_bytes(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Sets the size "auto" joins blocks up to (64 MiB; tests use blocks of a few KiB), and
+    lets it join down to one partition (it keeps 8 of a small array's)."""
+    monkeypatch.setattr(dask_overlap.array, "AUTO_MIN_PARTITIONS", 1)
+
+    def set_to(nbytes: int) -> None:
+        monkeypatch.setattr(dask_overlap.array, "AUTO_MIN_BYTES", nbytes)
+
+    return set_to
+
+
+class Calls:
+    """``func``'s calls on real blocks (not the ones on empty blocks that infer the meta)."""
+
+    def __init__(self, func: Any):
+        self.func = func
+        self.shapes: list[tuple[int, ...]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, b: Any) -> Any:
+        if b.size:
+            with self.lock:
+                self.shapes.append(b.shape)
+        return self.func(b)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_small_blocks_are_joined_and_the_output_keeps_their_chunks(axis, batch_bytes):
+    a = grid(120, 12)
+    x = da.from_array(a, chunks=(10, 12) if axis == 0 else (120, 1))  # 12 blocks of 960 B
+    batch_bytes(4 * 960)
+    f = Calls(lambda b: b * 2 - 1)
+    y = dask_overlap.map_blocks(f, x, split_axis=axis, dtype=a.dtype)
+    assert y.chunks == x.chunks
+    (done,) = dask.persist(y)
+    np.testing.assert_array_equal(done.compute(), a * 2 - 1)
+    # Three partitions of four blocks: func saw each batch's join once.
+    assert sorted(s[axis] for s in f.shapes) == [40 if axis == 0 else 4] * 3
+    stats = wait_until_idle()
+    assert stats["partitions"] == 3 and stats["partitions_failed"] == 0
+    # Each output block is a view of its partition's output: cut, not copied.
+    graph = done.__dask_graph__()
+    blocks = [graph[k] for k in dask.core.flatten(done.__dask_keys__())]
+    assert len(blocks) == 12 and all(b.base is not None for b in blocks)
+    assert len({id(b.base) for b in blocks}) == 3
+
+
+def test_the_last_batch_is_short_and_blocks_may_differ_in_size(batch_bytes):
+    a = grid(100, 8)
+    x = da.from_array(a, chunks=((30, 10, 5, 25, 10, 20), (8,)))
+    batch_bytes(4 * 30 * 8 * 8)  # four of the largest block
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0)
+    assert y.chunks == x.chunks
+    np.testing.assert_array_equal(y.compute(), -a)
+    assert wait_until_idle()["partitions"] == 2
+
+
+def test_large_blocks_and_one_block_along_the_axis_are_not_joined(batch_bytes):
+    a = grid(120, 8)
+    batch_bytes(640)  # the size of one block: nothing to join it with
+    f = Calls(np.sqrt)
+    y = dask_overlap.map_blocks(f, da.from_array(a, chunks=(10, 8)), split_axis=0, dtype=a.dtype)
+    np.testing.assert_array_equal(y.compute(), np.sqrt(a))
+    assert f.shapes == [(10, 8)] * 12
+    batch_bytes(1 << 30)
+    g = Calls(np.sqrt)
+    z = dask_overlap.map_blocks(g, da.from_array(a, chunks=(120, 2)), split_axis=0, dtype=a.dtype)
+    np.testing.assert_array_equal(z.compute(), np.sqrt(a))
+    assert g.shapes == [(120, 2)] * 4  # the split axis has one block: nothing to join
+
+
+def _with_block_id(b: Any, block_id: Any = None) -> Any:
+    return b + 1
+
+
+def _with_block_info(b: Any, block_info: Any = None) -> Any:
+    return b + 1
+
+
+@pytest.mark.parametrize(
+    "func, kwargs",
+    [
+        (_with_block_id, {"split_axis": 0}),  # its block would not be the output block
+        (_with_block_info, {"split_axis": 0}),
+        (np.positive, {}),  # no split_axis: func did not say it is independent along one
+        (np.positive, {"split_axis": 0, "chunks": (10, 8)}),
+        (np.positive, {"split_axis": 0, "batch": 1}),
+    ],
+)
+def test_blocks_are_not_joined_where_it_would_not_be_sound(func, kwargs, batch_bytes):
+    a = grid(120, 8)
+    batch_bytes(1 << 30)
+    y = dask_overlap.map_blocks(func, da.from_array(a, chunks=(10, 8)), dtype=a.dtype, **kwargs)
+    expected = a + 1 if func in (_with_block_id, _with_block_info) else a
+    np.testing.assert_array_equal(y.compute(), expected)
+    assert wait_until_idle()["partitions"] == 12
+
+
+@pytest.mark.parametrize("blocks, partitions", [(40, 8), (20, 10), (15, 15), (200, 8)])
+def test_a_small_array_keeps_eight_partitions_at_least(blocks, partitions):
+    a = grid(blocks * 2, 4)
+    f = Calls(np.negative)
+    y = dask_overlap.map_blocks(f, da.from_array(a, chunks=(2, 4)), split_axis=0, dtype=a.dtype)
+    assert y.chunks == ((2,) * blocks, (4,))
+    np.testing.assert_array_equal(y.compute(), -a)
+    assert wait_until_idle()["partitions"] == len(f.shapes) == partitions
+
+
+def test_blocks_of_unknown_extent_are_not_joined(batch_bytes):
+    batch_bytes(1 << 30)
+    a = grid(120, 8)
+    x = da.from_array(a, chunks=(10, 8))
+    x = x[x[:, 0] >= 0]  # extents Dask learns only when it computes
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0, dtype=a.dtype)
+    np.testing.assert_array_equal(y.compute(), -a)
+    assert wait_until_idle()["partitions"] == 12
+
+
+def test_a_name_given_names_the_array_returned(batch_bytes):
+    batch_bytes(1 << 30)
+    a = grid()
+    y = dask_overlap.map_blocks(
+        np.negative, da.from_array(a, chunks=(10, 8)), split_axis=0, name="neg"
+    )
+    assert y.name == "neg" and y.chunks == ((10,) * 12, (8,))
+    np.testing.assert_array_equal(y.compute(), -a)
+    assert wait_until_idle()["partitions"] == 1
+
+
+@pytest.mark.parametrize("out", ["host", "pinned", "device"])
+def test_every_out_mode_with_several_arrays_and_a_broadcast_one(out, batch_bytes):
+    a, b = grid(120, 6), grid(120, 6)[::-1].copy()
+    row = np.arange(6.0)
+    x, y = da.from_array(a, chunks=(10, 3)), da.from_array(b, chunks=(10, 3))
+    r = da.from_array(row, chunks=3)
+    batch_bytes(6 * 2 * 240)  # six blocks of both arrays
+
+    def combine(p: Any, q: Any, s: Any, scale: float) -> Any:
+        return p * scale + q - s
+
+    got = dask_overlap.map_blocks(combine, x, y, r, 0.5, split_axis=0, out=out)
+    assert got.chunks == x.chunks
+    (done,) = dask.persist(got)
+    np.testing.assert_array_equal(done.compute(), a * 0.5 + b - row)
+    stats = wait_until_idle()
+    assert stats["partitions"] == 2 * 2  # two batches of six, times two column blocks
+    assert stats["partitions_failed"] == 0
+    del done, got  # the cut blocks held their batches' pool blocks: back now
+    assert pinned_in_use_once_collected() == 0
+
+
+def test_a_bad_batch_names_auto_as_the_other_choice():
+    x = da.from_array(grid(), chunks=(10, 8))
+    with pytest.raises(TypeError, match="batch must be a positive integer or 'auto', got 'Auto'"):
+        dask_overlap.map_blocks(np.negative, x, split_axis=0, batch="Auto")
+
+
+@pytest.mark.timeout(120)
+def test_joined_and_cut_back_across_worker_processes(batch_bytes):
+    batch_bytes(4 * 640)
+    a = grid(200, 8)
+    y = dask_overlap.map_blocks(lambda b: b - 1, da.from_array(a, chunks=(10, 8)), split_axis=0)
+    assert y.chunks == ((10,) * 20, (8,))
+    got, per_worker = compute_on_two_worker_processes(y)
+    np.testing.assert_array_equal(got, a - 1)
+    assert sum(s["partitions"] for s in per_worker.values()) == 5
