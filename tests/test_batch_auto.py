@@ -176,6 +176,21 @@ def test_every_out_mode_with_several_arrays_and_a_broadcast_one(out, batch_bytes
     assert pinned_in_use_once_collected() == 0
 
 
+@pytest.mark.parametrize("axis", [0, 1])
+def test_new_axis_before_the_split_axis_moves_where_the_output_is_cut(axis, batch_bytes):
+    a = grid(60, 40)
+    x = da.from_array(a, chunks=(10, 40) if axis == 0 else (60, 5))
+    batch_bytes(3 * x.blocks[0, 0].nbytes)
+
+    def f(b: Any) -> Any:
+        return b[None, :, :] * 2
+
+    y = dask_overlap.map_blocks(f, x, split_axis=axis, new_axis=0, dtype=a.dtype)
+    assert y.chunks == ((1,), *x.chunks)
+    np.testing.assert_array_equal(y.compute(), a[None] * 2)
+    assert wait_until_idle()["partitions"] == (2 if axis == 0 else 3)
+
+
 def test_a_bad_batch_names_auto_as_the_other_choice():
     x = da.from_array(grid(), chunks=(10, 8))
     with pytest.raises(TypeError, match="batch must be a positive integer or 'auto', got 'Auto'"):
