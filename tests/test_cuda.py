@@ -529,6 +529,41 @@ def test_batched_blocks_are_joined_once_and_copied_in_directly(
     assert after["partitions_failed"] == 0 and after["pinned_fallbacks"] == 0
 
 
+@pytest.mark.parametrize("source", ["pinned", "pool", "device"])
+def test_small_blocks_are_batched_by_default_and_cut_back(
+    source: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default batch="auto" on the GPU: 64 pinned (a pinned array's or the pool's) or
+    device blocks of 80 KiB run as 8 partitions of 8 (the joins as in the test above), and
+    the output is cut back into 64 blocks, views of their partition's result."""
+    import cupyx
+
+    import dask_overlap.array
+
+    monkeypatch.setattr(dask_overlap.array, "AUTO_MIN_BYTES", 8 * 64 * 320 * 4)
+    a = np.random.default_rng(8).standard_normal((64 * 64, 320)).astype(np.float32)
+    host = cupyx.empty_pinned(a.shape, a.dtype)
+    host[...] = a
+    x = views(host, 64)
+    if source != "pinned":
+        out = "pinned" if source == "pool" else "device"
+        (x,) = dask.persist(dask_overlap.map_blocks(lambda b: b + 0, x, out=out))
+    before = runtime().stats()
+    y = dask_overlap.map_blocks(affine, x, split_axis=0, out="device")
+    assert y.chunks == x.chunks
+    (done,) = dask.persist(y)
+    graph = done.__dask_graph__()
+    blocks = [graph[k] for k in dask.core.flatten(done.__dask_keys__())]
+    assert len(blocks) == 64 and all(isinstance(b, cp.ndarray) for b in blocks)
+    assert len({b.base.data.ptr for b in blocks}) == 8  # views of 8 partitions' results
+    np.testing.assert_array_equal(cp.asnumpy(cp.concatenate(blocks)), affine(a))
+    after = runtime().stats()
+    moved = {k: after[k] - before[k] for k in ("partitions", "bytes_staged", "bytes_h2d")}
+    h2d = 0 if source == "device" else a.nbytes
+    assert moved == {"partitions": 8, "bytes_staged": 0, "bytes_h2d": h2d}
+    assert after["partitions_failed"] == 0
+
+
 # -- what func may do with its input ------------------------------------------------------
 @pytest.mark.parametrize("threads", [1, 4])
 def test_a_func_that_returns_or_keeps_its_input_keeps_it_intact(threads: int) -> None:
