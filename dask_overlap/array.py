@@ -260,7 +260,7 @@ def _check_batch(batch: Any, split_axis: int | None, chunks: Any, drop_axis: Any
     return int(batch)
 
 
-#: ``batch="auto"`` leaves at least this many partitions along the split axis.
+#: ``batch="auto"`` leaves at least this many partitions (where there were as many).
 AUTO_MIN_PARTITIONS = 8
 
 
@@ -290,7 +290,7 @@ def _auto_batch(
         return 1
     if has_keyword(func, "block_id") or has_keyword(func, "block_info"):
         return 1
-    per_block, blocks = 0, 1
+    per_block, along_axis, across = 0, 1, 1
     for i in positions:
         x = arrays[i]
         ax = split_axis - (ndim - x.ndim)
@@ -299,10 +299,12 @@ def _auto_batch(
         if any(math.isnan(c) for cs in x.chunks for c in cs):
             return 1  # an extent Dask does not know yet
         per_block += math.prod(max(cs) for cs in x.chunks) * x.dtype.itemsize
-        blocks = max(blocks, x.numblocks[ax])
+        along_axis = max(along_axis, x.numblocks[ax])
+        across = max(across, x.npartitions // x.numblocks[ax])  # partitions beside each
     if per_block == 0:
         return 1
-    return max(1, min(AUTO_MIN_BYTES // per_block, blocks // AUTO_MIN_PARTITIONS))
+    batches = -(-AUTO_MIN_PARTITIONS // across)  # along the axis, for enough in all
+    return max(1, min(AUTO_MIN_BYTES // per_block, along_axis // batches))
 
 
 def _chunks_along(

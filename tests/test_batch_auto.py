@@ -133,6 +133,17 @@ def test_a_small_array_keeps_eight_partitions_at_least(blocks, partitions):
     assert wait_until_idle()["partitions"] == len(f.shapes) == partitions
 
 
+def test_blocks_beside_each_other_count_towards_the_eight_partitions():
+    a = grid(64, 16)
+    f = Calls(np.negative)
+    # 32 blocks down, 4 across: batches of 16 leave 2 x 4 = 8 partitions.
+    y = dask_overlap.map_blocks(f, da.from_array(a, chunks=(2, 4)), split_axis=0, dtype=a.dtype)
+    assert y.chunks == ((2,) * 32, (4,) * 4)
+    np.testing.assert_array_equal(y.compute(), -a)
+    assert wait_until_idle()["partitions"] == len(f.shapes) == 8
+    assert set(f.shapes) == {(32, 4)}
+
+
 def test_blocks_of_unknown_extent_are_not_joined(batch_bytes):
     batch_bytes(1 << 30)
     a = grid(120, 8)
