@@ -18,6 +18,7 @@ each. The output has one block per partition, ``k`` blocks' extent along the axi
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -126,7 +127,10 @@ def join(rt: Runtime, p: Pieces, where: str) -> tuple[Any, int]:
     """``p``'s blocks as one array, and the host bytes copied to join them (``where``
     names the partition in an error).
 
-    Device blocks are joined on the device (the backend's ``join_device``). Pinned,
+    Blocks that are consecutive slices of one array along ``axis`` (the blocks of an
+    earlier ``batch="auto"`` stage, or of ``from_array``, are) are already joined: one
+    view of them, no copy.
+    Other device blocks are joined on the device (the backend's ``join_device``). Pinned,
     C-contiguous host blocks of one native dtype are not joined here: they come back as
     :class:`PinnedBlocks`, copied to the device block by block. Other host blocks are
     copied, by the runtime's copy threads, into one block of the pinned pool when it has
@@ -138,11 +142,15 @@ def join(rt: Runtime, p: Pieces, where: str) -> tuple[Any, int]:
         return blocks[0], 0
     backend = rt.backend
     if any(backend.is_device(b) for b in blocks):
-        return backend.join_device(blocks, axis), 0
+        whole = _one_view(blocks, axis)
+        return (backend.join_device(blocks, axis) if whole is None else whole), 0
     for b in blocks:
         if type(b) is not np.ndarray:
             refuse_block(b, where)  # a subclass whose meaning the join would lose
     blocks = tuple(np.asarray(b) for b in blocks)
+    whole = _one_view(blocks, axis)
+    if whole is not None:
+        return whole, 0
     dtype = np.result_type(*blocks)
     if (
         dtype.isnative
@@ -164,3 +172,38 @@ def join(rt: Runtime, p: Pieces, where: str) -> tuple[Any, int]:
         copies.append((b, out[tuple(where)]))
     rt.copies.run(copies, backend.stage)
     return out, nbytes
+
+
+def _address(x: Any) -> int:
+    """Where ``x``'s first element lies (a device or a host array)."""
+    interface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
+    return int(interface["data"][0])
+
+
+def _same_across(shape: tuple[int, ...], other: tuple[int, ...], axis: int) -> bool:
+    """Whether two blocks' shapes agree in every axis but ``axis``."""
+    return shape[:axis] == other[:axis] and shape[axis + 1 :] == other[axis + 1 :]
+
+
+def _one_view(blocks: tuple[Any, ...], axis: int) -> Any | None:
+    """``blocks`` as one view of the memory they are all views of, when each begins where
+    the one before ends along ``axis`` (with the same strides and the same extents across
+    it); else ``None``. The view covers exactly the blocks' elements."""
+    first = blocks[0]
+    base, strides = first.base, first.strides
+    if base is None:
+        return None
+    at = _address(first)
+    for b in blocks:
+        if (
+            b.base is not base
+            or b.strides != strides
+            or _address(b) != at
+            or not _same_across(b.shape, first.shape, axis)
+        ):
+            return None
+        at += b.shape[axis] * strides[axis]
+    shape = list(first.shape)
+    shape[axis] = sum(b.shape[axis] for b in blocks)
+    xp = sys.modules[type(first).__module__.partition(".")[0]]  # numpy or cupy: imported
+    return xp.lib.stride_tricks.as_strided(first, shape=tuple(shape), strides=strides)

@@ -41,7 +41,7 @@ def test_blocks_are_joined_along_the_split_axis(axis, batch, chunks, expected):
 
 def test_joined_blocks_are_counted_as_staged_and_go_through_the_pinned_pool():
     a = grid()
-    x = da.from_array(a, chunks=(10, 8))
+    x = da.from_array(a, chunks=(10, 8)) + 0  # blocks of their own (not views of a)
     seen: list[tuple[int, ...]] = []
 
     def f(b: Any) -> Any:
@@ -205,7 +205,7 @@ def test_pinned_and_pageable_blocks_in_one_batch_are_joined_on_the_host():
     (pinned,) = dask.persist(
         dask_overlap.map_blocks(np.negative, da.from_array(a[:50], chunks=(10, 8)), out="pinned")
     )
-    x = da.concatenate([pinned, da.from_array(a[50:], chunks=(10, 8))])
+    x = da.concatenate([pinned, da.from_array(a[50:], chunks=(10, 8)) + 0])
     before = wait_until_idle()
     y = dask_overlap.map_blocks(lambda b: b * 3, x, split_axis=0, batch=4)
     np.testing.assert_array_equal(y.compute(), np.concatenate([-a[:50], a[50:]]) * 3)

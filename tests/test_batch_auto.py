@@ -202,6 +202,34 @@ def test_new_axis_before_the_split_axis_moves_where_the_output_is_cut(axis, batc
     assert wait_until_idle()["partitions"] == (2 if axis == 0 else 3)
 
 
+def test_a_second_stage_joins_the_first_stages_blocks_without_a_copy(batch_bytes):
+    """The blocks of a batch="auto" stage are consecutive slices of their partition's
+    result: a next stage joined the same way gets that result back as it is."""
+    from dask_overlap import get_runtime
+    from dask_overlap.pieces import Pieces, join
+
+    owner = grid(40, 6)
+    joined, copied = join(
+        get_runtime("host"), Pieces(0, tuple(owner[i : i + 10] for i in range(10, 40, 10))), "p"
+    )
+    assert copied == 0 and np.shares_memory(joined, owner)
+    np.testing.assert_array_equal(joined, owner[10:40])
+    # Not each where the one before ends: joined by a copy.
+    for blocks in [(owner[0:10], owner[20:30]), (owner[10:20], owner[0:10])]:
+        joined, _ = join(get_runtime("host"), Pieces(0, blocks), "p")
+        assert not np.shares_memory(joined, owner)
+        np.testing.assert_array_equal(joined, np.concatenate(blocks))
+
+    batch_bytes(4 * 640)
+    a = grid(160, 8)
+    first = dask_overlap.map_blocks(np.negative, da.from_array(a, chunks=(10, 8)), split_axis=0)
+    f = Calls(lambda b: b * 2)
+    second = dask_overlap.map_blocks(f, first, split_axis=0, dtype=a.dtype)
+    assert second.chunks == first.chunks == ((10,) * 16, (8,))
+    np.testing.assert_array_equal(second.compute(), -a * 2)
+    assert sorted(f.shapes) == [(40, 8)] * 4
+
+
 def test_a_bad_batch_names_auto_as_the_other_choice():
     x = da.from_array(grid(), chunks=(10, 8))
     with pytest.raises(TypeError, match="batch must be a positive integer or 'auto', got 'Auto'"):

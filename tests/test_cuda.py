@@ -487,6 +487,7 @@ def test_small_partitions_are_timed_now_and_then_and_all_reach_the_timeline(
     "source, axis, sub_rows",
     [
         ("pageable", 0, None),
+        ("views", 0, None),  # pageable slices of one array: already one array
         ("pinned", 0, None),
         ("pool", 0, None),
         ("pool", 0, 100),  # sub-chunks straddling the pinned blocks
@@ -498,14 +499,17 @@ def test_batched_blocks_are_joined_once_and_copied_in_directly(
     source: str, axis: int, sub_rows: int | None
 ) -> None:
     """batch=4 on the GPU: pageable blocks are joined into one pinned-pool block (the only
-    host copy: counted as staged, nothing else staged or fallen back); pinned blocks (a
-    pinned array's, or the pool's from out="pinned") are not joined on the host but copied
-    to the device one by one, straight into their places; device blocks are joined on the
-    device. The results are right whatever the blocks were."""
+    host copy: counted as staged, nothing else staged or fallen back); pinned blocks of
+    their own (the pool's, from out="pinned") are not joined on the host but copied to the
+    device one by one, straight into their places; slices of one array (pageable or a
+    pinned array's) are one view already, copied in as any input; device blocks are joined
+    on the device. The results are right whatever the blocks were."""
     import cupyx
 
     a = np.random.default_rng(7).standard_normal((40 * 64, 40 * 8)).astype(np.float32)
     x = da.from_array(a, chunks=(64, a.shape[1]) if axis == 0 else (a.shape[0], 8))
+    if source == "pageable":  # blocks of their own
+        x = x + 0
     if source == "pinned":  # a pinned array's row blocks (from_array would copy them)
         host = cupyx.empty_pinned(a.shape, a.dtype)
         host[...] = a
@@ -521,6 +525,7 @@ def test_batched_blocks_are_joined_once_and_copied_in_directly(
     np.testing.assert_array_equal(y.compute(), affine(np.asarray(a)))
     after = runtime().stats()
     moved = {k: after[k] - before[k] for k in ("partitions", "bytes_staged", "bytes_h2d")}
+    # (A view of 320 KiB is under direct-bytes: copied from where it is, not staged.)
     staged = a.nbytes if source == "pageable" else 0
     h2d = 0 if source == "device" else a.nbytes  # device blocks: joined on the device
     assert moved == {"partitions": 10, "bytes_staged": staged, "bytes_h2d": h2d}
@@ -562,6 +567,21 @@ def test_small_blocks_are_batched_by_default_and_cut_back(
     h2d = 0 if source == "device" else a.nbytes
     assert moved == {"partitions": 8, "bytes_staged": 0, "bytes_h2d": h2d}
     assert after["partitions_failed"] == 0
+
+
+def test_device_slices_of_one_array_are_joined_without_a_copy() -> None:
+    from dask_overlap.pieces import Pieces, join
+
+    owner = cp.arange(64 * 8, dtype=cp.float32).reshape(64, 8)
+    joined, copied = join(
+        runtime(), Pieces(0, tuple(owner[i : i + 16] for i in range(16, 64, 16))), "p"
+    )
+    assert copied == 0 and joined.shape == (48, 8)
+    assert joined.data.ptr == owner[16:].data.ptr
+    cp.testing.assert_array_equal(joined, owner[16:])
+    apart, _ = join(runtime(), Pieces(0, (owner[0:16], owner[32:48])), "p")
+    assert apart.data.ptr != owner.data.ptr
+    cp.testing.assert_array_equal(apart, cp.concatenate([owner[0:16], owner[32:48]]))
 
 
 # -- what func may do with its input ------------------------------------------------------
