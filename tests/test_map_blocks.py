@@ -103,7 +103,9 @@ def test_same_as_dask_across_dtypes_and_ndims(ndim, dtype):
 def test_split_axis_with_many_sub_chunks(ndim, axis, dtype, in_flight):
     x = dask_array(ndim, dtype, seed=ndim)
     func = invert if np.dtype(dtype).kind in "biu" else twice_plus_one
-    y = dask_overlap.map_blocks(func, x, split_axis=axis, sub_chunk_bytes=1, in_flight=in_flight)
+    y = dask_overlap.map_blocks(
+        func, x, split_axis=axis, batch=1, sub_chunk_bytes=1, in_flight=in_flight
+    )
     assert_same_array(y, da.map_blocks(func, x))
     s = stats()
     # sub_chunk_bytes=1: one index along the split axis per sub-chunk
