@@ -129,13 +129,13 @@ def join(rt: Runtime, p: Pieces, where: str) -> tuple[Any, int]:
 
     Blocks that are consecutive slices of one array along ``axis`` (the blocks of an
     earlier ``batch="auto"`` stage, or of ``from_array``, are) are already joined: one
-    view of them, no copy.
-    Other device blocks are joined on the device (the backend's ``join_device``). Pinned,
-    C-contiguous host blocks of one native dtype are not joined here: they come back as
-    :class:`PinnedBlocks`, copied to the device block by block. Other host blocks are
-    copied, by the runtime's copy threads, into one block of the pinned pool when it has
-    room: that array is pinned, so the partition copies it to the device directly;
-    otherwise into ordinary memory, which the partition then stages as any other input.
+    view of them, no copy. Other device blocks are joined on the device (the backend's
+    ``join_device``). Pinned, C-contiguous host blocks of one native dtype are not joined
+    here: they come back as :class:`PinnedBlocks`, copied to the device block by block.
+    Other host blocks are copied, by the runtime's copy threads, into one block of the
+    pinned pool when it has room: that array is pinned, so the partition copies it to the
+    device directly; otherwise into ordinary memory, which the partition then stages as
+    any other input.
     """
     blocks, axis = p.blocks, p.axis
     if len(blocks) == 1:
@@ -197,6 +197,7 @@ def _one_view(blocks: tuple[Any, ...], axis: int) -> Any | None:
     for b in blocks:
         if (
             b.base is not base
+            or b.dtype != first.dtype
             or b.strides != strides
             or _address(b) != at
             or not _same_across(b.shape, first.shape, axis)

@@ -214,8 +214,9 @@ def test_a_second_stage_joins_the_first_stages_blocks_without_a_copy(batch_bytes
     )
     assert copied == 0 and np.shares_memory(joined, owner)
     np.testing.assert_array_equal(joined, owner[10:40])
-    # Not each where the one before ends: joined by a copy.
-    for blocks in [(owner[0:10], owner[20:30]), (owner[10:20], owner[0:10])]:
+    # Not each where the one before ends, or not of one dtype: joined by a copy.
+    ints = (owner[0:10], owner[10:20].view(np.int64))
+    for blocks in [(owner[0:10], owner[20:30]), (owner[10:20], owner[0:10]), ints]:
         joined, _ = join(get_runtime("host"), Pieces(0, blocks), "p")
         assert not np.shares_memory(joined, owner)
         np.testing.assert_array_equal(joined, np.concatenate(blocks))
