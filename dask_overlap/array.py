@@ -626,10 +626,14 @@ def map_blocks(
     )
     task = _partition_task(func, opts, positions, ndim, split_axis, out_split_axis, out)
     split_back = None  # batch="auto": the output's chunks along the split axis, kept
+    token = token or funcname(func)
     if batch == "auto":
         batch = _auto_batch(func, arrays, positions, ndim, split_axis, chunks, drop_axis)
         if batch > 1:
             split_back = _chunks_along(arrays, positions, ndim, split_axis)
+            # The partition tasks are not the array returned: their names say whose
+            # blocks they hold (partition i along the axis: blocks i*batch onwards).
+            token = f"{token}-batch{batch}"
     if batch > 1:
         arrays = tuple(_joined(arrays, positions, ndim, split_axis, batch))
     result = da.map_blocks(
@@ -641,8 +645,8 @@ def map_blocks(
         new_axis=new_axis,
         meta=meta,
         # A name given is the array returned: with batch="auto", the unbatched one.
-        name=name if name is None or split_back is None else f"{name}-batched",
-        token=token or funcname(func),
+        name=name if name is None or split_back is None else f"{name}-batch{batch}",
+        token=token,
         **kwargs,
     )
     task.declare_output(result)

@@ -161,8 +161,25 @@ def test_a_name_given_names_the_array_returned(batch_bytes):
         np.negative, da.from_array(a, chunks=(10, 8)), split_axis=0, name="neg"
     )
     assert y.name == "neg" and y.chunks == ((10,) * 12, (8,))
+    # The partition task is named for its batch beside it.
+    assert ("neg-batch12", 0, 0) in dict(y.__dask_graph__())
     np.testing.assert_array_equal(y.compute(), -a)
     assert wait_until_idle()["partitions"] == 1
+
+
+def test_an_error_in_a_batch_names_the_batch(batch_bytes):
+    batch_bytes(4 * 640)
+    a = grid(160, 8)
+
+    def broken(b: Any) -> Any:
+        return b.tolist()  # not an array
+
+    y = dask_overlap.map_blocks(
+        broken, da.from_array(a, chunks=(10, 8)), split_axis=0, dtype=a.dtype
+    )
+    with pytest.raises(TypeError, match=r"partition \('broken-batch4-[0-9a-f]+', [0-3], 0\)"):
+        y.compute(scheduler="sync")
+    assert wait_until_idle()["partitions_failed"] == 1
 
 
 @pytest.mark.parametrize("out", ["host", "pinned", "device"])
