@@ -260,12 +260,27 @@ def _check_batch(batch: Any, split_axis: int | None, chunks: Any, drop_axis: Any
     return int(batch)
 
 
+def _split_arrays(
+    arrays: Sequence[Any], positions: tuple[int, ...], ndim: int, split_axis: int
+) -> list[tuple[int, Any, int]]:
+    """``(position, array, its own axis)`` of each dask array with more than one block
+    along ``split_axis`` (in the inputs' index space): those a batch joins. The others
+    lack the axis or have one block along it, and are broadcast as they are."""
+    found = []
+    for i in positions:
+        x = arrays[i]
+        ax = split_axis - (ndim - x.ndim)
+        if ax >= 0 and x.numblocks[ax] > 1:
+            found.append((i, x, ax))
+    return found
+
+
 #: ``batch="auto"`` leaves at least this many partitions (where there were as many).
 AUTO_MIN_PARTITIONS = 8
 
 
 def _auto_batch(
-    func: Callable[..., Any],
+    asks_which_block: bool,
     arrays: Sequence[Any],
     positions: tuple[int, ...],
     ndim: int,
@@ -276,9 +291,9 @@ def _auto_batch(
     """``batch="auto"``: how many blocks along ``split_axis`` make a partition of about
     ``AUTO_MIN_BYTES`` in, counting the arrays that would be joined (those with more than
     one block along it); 1 where joining is not sound (no ``split_axis``, ``chunks=``,
-    ``drop_axis``), where ``func`` asks which block it has (``block_id``, ``block_info``:
-    a batch's would not be the output block's), where a block's size is not known, or
-    where blocks are that large.
+    ``drop_axis``), where ``func`` asks which block it has (``asks_which_block``: it
+    takes ``block_id`` or ``block_info``, and a batch's would not be the output block's),
+    where a block's size is not known, or where blocks are that large.
 
     The size is the one below which a partition is never cut into sub-chunks, and on the
     H200 partitions of it ran at 0.77-0.82 of the bound where 4 and 16 MiB ones ran at
@@ -288,14 +303,10 @@ def _auto_batch(
     """
     if split_axis is None or chunks is not None or _as_list(drop_axis):
         return 1
-    if has_keyword(func, "block_id") or has_keyword(func, "block_info"):
+    if asks_which_block:
         return 1
     per_block, along_axis, across = 0, 1, 1
-    for i in positions:
-        x = arrays[i]
-        ax = split_axis - (ndim - x.ndim)
-        if ax < 0 or x.numblocks[ax] == 1:
-            continue  # broadcast along the axis: not joined
+    for _, x, ax in _split_arrays(arrays, positions, ndim, split_axis):
         if any(math.isnan(c) for cs in x.chunks for c in cs):
             return 1  # an extent Dask does not know yet
         per_block += math.prod(max(cs) for cs in x.chunks) * x.dtype.itemsize
@@ -305,18 +316,6 @@ def _auto_batch(
         return 1
     batches = -(-AUTO_MIN_PARTITIONS // across)  # along the axis, for enough in all
     return max(1, min(AUTO_MIN_BYTES // per_block, along_axis // batches))
-
-
-def _chunks_along(
-    arrays: Sequence[Any], positions: tuple[int, ...], ndim: int, split_axis: int
-) -> tuple[int, ...]:
-    """The blocks' extents along ``split_axis`` (of an array with more than one there)."""
-    for i in positions:
-        x = arrays[i]
-        ax = split_axis - (ndim - x.ndim)
-        if ax >= 0 and x.numblocks[ax] > 1:
-            return x.chunks[ax]
-    raise AssertionError("no array has blocks to join along split_axis")
 
 
 def _unbatched(
@@ -351,11 +350,7 @@ def _joined(
     array and partition. An array without that axis, or with one block along it, is
     broadcast as it is."""
     out = list(arrays)
-    for i in positions:
-        x = arrays[i]
-        ax = axis - (ndim - x.ndim)
-        if ax < 0 or x.numblocks[ax] == 1:
-            continue
+    for i, x, ax in _split_arrays(arrays, positions, ndim, axis):
         n = x.numblocks[ax]
         starts = range(0, n, k)
         name = "overlap-batch-" + tokenize(x.name, ax, k)
@@ -628,9 +623,11 @@ def map_blocks(
     split_back = None  # batch="auto": the output's chunks along the split axis, kept
     token = token or funcname(func)
     if batch == "auto":
-        batch = _auto_batch(func, arrays, positions, ndim, split_axis, chunks, drop_axis)
-        if batch > 1:
-            split_back = _chunks_along(arrays, positions, ndim, split_axis)
+        asks = task.func_block_id or task.func_block_info
+        batch = _auto_batch(asks, arrays, positions, ndim, split_axis, chunks, drop_axis)
+        if batch > 1:  # the blocks' extents along the axis, from an array joined
+            _, x, ax = _split_arrays(arrays, positions, ndim, split_axis)[0]
+            split_back = x.chunks[ax]
             # The partition tasks are not the array returned: their names say whose
             # blocks they hold (partition i along the axis: blocks i*batch onwards).
             token = f"{token}-batch{batch}"
