@@ -22,9 +22,10 @@ import numpy as np
 from dask.array.utils import compute_meta
 from dask.base import is_dask_collection, tokenize
 from dask.blockwise import Blockwise
-from dask.highlevelgraph import HighLevelGraph
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.utils import funcname, has_keyword
 
+from .aliases import alias_targets, layer_of, skip_aliases
 from .backends import resolve_backend
 from .config import Options
 from .current import get_runtime
@@ -351,6 +352,8 @@ def _joined(
     broadcast as it is."""
     out = list(arrays)
     for i, x, ax in _split_arrays(arrays, positions, ndim, axis):
+        # A concatenated or reordered x: gather the blocks its aliases stand for.
+        subs = alias_targets(x.dask, [x.name])
         n = x.numblocks[ax]
         starts = range(0, n, k)
         name = "overlap-batch-" + tokenize(x.name, ax, k)
@@ -359,10 +362,14 @@ def _joined(
         for idx in np.ndindex(*grid):
             first = idx[ax] * k
             keys = [(x.name, *idx[:ax], j, *idx[ax + 1 :]) for j in range(first, min(first + k, n))]
-            dsk[(name, *idx)] = (gather, ax, *keys)
+            dsk[(name, *idx)] = (gather, ax, *(subs.get(key, key) for key in keys))
         chunks = list(x.chunks)
         chunks[ax] = tuple(sum(x.chunks[ax][s : s + k]) for s in starts)
-        graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x])
+        deps = {layer_of(t) for t in subs.values()} if subs else {x.name}
+        graph = HighLevelGraph(
+            {**x.dask.layers, name: MaterializedLayer(dsk)},
+            {**x.dask.dependencies, name: deps},
+        ).cull_layers([name])
         out[i] = da.Array(graph, name, tuple(chunks), meta=x._meta)
     return out
 
@@ -648,6 +655,7 @@ def map_blocks(
     )
     task.declare_output(result)
     _keep_unfused(result)
+    result = skip_aliases(result)  # after: it materializes the tasks _keep_unfused marks
     if split_back is not None:
         result = _unbatched(result, out_split_axis, split_back, batch, name)
     return result
