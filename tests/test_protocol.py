@@ -372,8 +372,9 @@ def test_ucxx_cluster_computes_across_two_workers() -> None:
         assert set(client.run(message_bytes_limit).values()) == {2**30}
 
         x = da.random.random((4096, 512), chunks=(256, 512))
-        host = dask_overlap.map_blocks(func, x, split_axis=0)
-        device = dask_overlap.map_blocks(func, x, split_axis=0, out="device")
+        # A partition a block (batch=1): the count below is of partitions, one a block.
+        host = dask_overlap.map_blocks(func, x, split_axis=0, batch=1)
+        device = dask_overlap.map_blocks(func, x, split_axis=0, out="device", batch=1)
         x, host, device = client.persist([x, host, device])
         xn = client.compute(x, sync=True)
         stats = client.run(runtime_stats)
