@@ -11,9 +11,10 @@ earlier run's ``y`` is left anywhere, and times, until every chunk exists, stage
 
 - local: ``other`` is ``y``, so each task's inputs are on its own worker;
 - local_reordered: ``other`` is ``y`` through the layer that reverses it in crossing,
-  with its blocks in their own order: all local, and the same graph shape as crossing
-  (that layer's alias tasks are a scheduling round of their own), so crossing over this
-  is what crossing workers costs;
+  with its blocks in their own order: all local, and the same graph as crossing (a layer
+  of aliases, which the partitions now read through: ``dask_overlap.aliases``; before,
+  each alias was a task and a scheduling round), so crossing over this is what crossing
+  workers costs;
 - crossing: ``other`` is ``y`` with its blocks reversed, so task ``i`` adds blocks ``i``
   and ``n-1-i``, which that placement puts on different workers (every pair but the
   middle one of an odd number of partitions). Each block is an input of two mirrored
