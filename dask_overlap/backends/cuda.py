@@ -101,6 +101,18 @@ def _rows(a: np.ndarray) -> tuple[int, int, int] | None:
     return height, width, pitch
 
 
+def _copy_rows(
+    dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int, stream: Any
+) -> None:
+    """``height`` runs of ``width`` bytes, ``spitch`` apart from ``src`` and ``dpitch``
+    apart at ``dst``, on ``stream``: one ``cudaMemcpyAsync`` when they are one run, else
+    one ``cudaMemcpy2DAsync``. Asynchronous where the host side is pinned."""
+    if height == 1:
+        cupy.cuda.runtime.memcpyAsync(dst, src, width, kind, stream.ptr)
+    else:
+        cupy.cuda.runtime.memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream.ptr)
+
+
 class _Span:
     """Pointer and size, as ``cupy.cuda.PinnedMemoryPointer`` wants its ``mem``."""
 
@@ -711,14 +723,7 @@ class CudaBackend:
             # Asynchronous when ``host`` is pinned; from pageable memory CUDA stages it
             # itself. Either way ``host`` stays alive: the runner holds a sub-chunk's
             # inputs until its copy-out has completed.
-            if height == 1:
-                cupy.cuda.runtime.memcpyAsync(
-                    dev.data.ptr, host.ctypes.data, width, _H2D, stream.ptr
-                )
-            else:
-                cupy.cuda.runtime.memcpy2DAsync(
-                    dev.data.ptr, width, host.ctypes.data, pitch, width, height, _H2D, stream.ptr
-                )
+            _copy_rows(dev.data.ptr, width, host.ctypes.data, pitch, width, height, _H2D, stream)
             return dev
 
     def copy_in_blocks(self, stream: CudaStream, blocks: Any) -> cupy.ndarray:
@@ -733,13 +738,8 @@ class CudaBackend:
             for b, lo, hi, at in blocks.parts():
                 width = (hi - lo) * row
                 src = b.ctypes.data + lo * row  # pinned, C-contiguous: asynchronous
-                if height == 1:
-                    cupy.cuda.runtime.memcpyAsync(base + at * row, src, width, _H2D, stream.ptr)
-                else:
-                    pitch = b.shape[axis] * row
-                    cupy.cuda.runtime.memcpy2DAsync(
-                        base + at * row, dpitch, src, pitch, width, height, _H2D, stream.ptr
-                    )
+                pitch = b.shape[axis] * row
+                _copy_rows(base + at * row, dpitch, src, pitch, width, height, _H2D, stream)
             return dev
 
     def compute(
@@ -769,23 +769,15 @@ class CudaBackend:
                 # Irregular strides in ``out``: land in a temporary, then copy on the host,
                 # which needs the copy to have completed.
                 tmp = np.empty(out.shape, out.dtype)
-                cupy.cuda.runtime.memcpyAsync(
-                    tmp.ctypes.data, src.data.ptr, tmp.nbytes, _D2H, stream.ptr
-                )
+                n = tmp.nbytes
+                _copy_rows(tmp.ctypes.data, n, src.data.ptr, n, n, 1, _D2H, stream)
                 stream.synchronize()
                 np.copyto(out, tmp)
                 return
             height, width, pitch = rows
             # Straight into the output block (pinned: asynchronous). ``out`` is part of the
             # partition's output, which the runner holds until every copy-out completed.
-            if height == 1:
-                cupy.cuda.runtime.memcpyAsync(
-                    out.ctypes.data, src.data.ptr, width, _D2H, stream.ptr
-                )
-            else:
-                cupy.cuda.runtime.memcpy2DAsync(
-                    out.ctypes.data, pitch, src.data.ptr, width, width, height, _D2H, stream.ptr
-                )
+            _copy_rows(out.ctypes.data, pitch, src.data.ptr, width, width, height, _D2H, stream)
 
     def empty_device(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
         # Stream-ordered on the current stream: other streams wait on a mark made after it.
