@@ -680,11 +680,30 @@ if _DaskTask is not None:
             return True
 
 
+#: The annotation that keeps Dask's blockwise fusion off a partition layer (its value is the
+#: layer's name, so that two partition layers differ too).
+PARTITION_ANNOTATION = "overlap_partition"
+
+
 def _keep_unfused(result: da.Array) -> None:
-    """Mark the partition layer's task template so that every task made from it stays
-    its own task (``Task.substitute`` keeps the class)."""
+    """Mark the partition layer so that every task of it stays its own task through
+    Dask's two fusions:
+
+    - linear fusion: its task template is an :class:`_UnfusedTask` (``Task.substitute``
+      keeps the class);
+    - blockwise fusion, which merges neighbouring ``Blockwise`` layers (an elementwise
+      ``x * 2`` before the partitions, or one after them, or a reduction's first step)
+      into one task per block, run as a subgraph. It merges two layers only where their
+      annotations allow it, and one of a key of its own (:data:`PARTITION_ANNOTATION`)
+      never does. On the host backend's synchronous path (2,000 partitions of 64 KiB, on
+      a 2-core CPU machine), a partition fused with ``* 1`` after it cost about 740 µs
+      against 340-420 µs as tasks of their own; one fused with ``x * 1`` before it, 625
+      against 440-530. Dask drops construction-time annotations in its low-level
+      optimization, so this one never reaches the scheduler. A user's annotations stay.
+    """
     layer = result.dask.layers.get(result.name)
     if _DaskTask is None or not isinstance(layer, Blockwise) or type(layer.task) is not _DaskTask:
         return
     t = layer.task
     layer.task = _UnfusedTask(t.key, t.func, *t.args, _data_producer=t.data_producer, **t.kwargs)
+    layer.annotations = {**(layer.annotations or {}), PARTITION_ANNOTATION: result.name}

@@ -378,3 +378,47 @@ def test_partition_tasks_are_not_fused_into_their_inputs_subgraph():
             assert all(n.key == k and n.block_fusion for n, k in zip(nodes, keys, strict=True))
             assert len(dsk) > len(keys)
     np.testing.assert_array_equal(ours.compute(), -a)
+
+
+def _optimized(arr: da.Array) -> dict:
+    keys = list(dask.core.flatten(arr.__dask_keys__()))
+    return dict(arr.__dask_optimize__(arr.__dask_graph__(), keys))
+
+
+@pytest.mark.parametrize(
+    ("build", "stages"),
+    [
+        pytest.param(lambda x, f: f(x * 2), 1, id="elementwise-before"),
+        pytest.param(lambda x, f: f(x) + 1, 1, id="elementwise-after"),
+        pytest.param(lambda x, f: f(x).sum(axis=1), 1, id="reduction-after"),
+        pytest.param(lambda x, f: f(f(x)), 2, id="two-stages"),
+    ],
+)
+def test_partition_tasks_are_not_fused_with_blockwise_neighbours(build, stages):
+    """Dask's blockwise fusion would merge an elementwise step before or after the
+    partitions (or a reduction's first step, or a second partition layer) into one task
+    a block, run as a subgraph; each partition stays its own task, and plain Dask still
+    fuses the same graph (the check sees fusion happen)."""
+    _, x = small()
+
+    def ours(arr: da.Array) -> da.Array:
+        return dask_overlap.map_blocks(np.negative, arr, split_axis=0, batch=1)
+
+    def plain(arr: da.Array) -> da.Array:
+        return da.map_blocks(np.negative, arr)
+
+    got = build(x, ours)
+    dsk = _optimized(got)
+    partitions = [t for t in dsk.values() if isinstance(t, dask_overlap.array._UnfusedTask)]
+    assert len(partitions) == stages * x.numblocks[0]
+    assert not any(t.has_subgraph() for t in partitions)
+    assert any(t.has_subgraph() for t in _optimized(build(x, plain)).values())
+    np.testing.assert_array_equal(got.compute(), build(x, plain).compute())
+
+
+def test_a_users_annotations_stay_beside_the_one_that_keeps_partitions_apart():
+    _, x = small()
+    with dask.annotate(retries=2):
+        y = dask_overlap.map_blocks(np.negative, x, split_axis=0, batch=1)
+    annotations = y.dask.layers[y.name].annotations
+    assert annotations == {"retries": 2, dask_overlap.array.PARTITION_ANNOTATION: y.name}
