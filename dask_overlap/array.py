@@ -319,6 +319,18 @@ def _auto_batch(
     return max(1, min(AUTO_MIN_BYTES // per_block, along_axis // batches))
 
 
+class _CutBack(MaterializedLayer):
+    """The layer of :func:`_unbatched`'s slice tasks, which also says what it cuts: the
+    ``batched`` array (the partitions' outputs), along ``axis``, ``k`` blocks a batch.
+    A next ``batch="auto"`` stage that joins the same ``k`` blocks along that axis takes
+    ``batched``'s blocks as they are (:func:`_joined`): the slices, and the join of them,
+    are then never run."""
+
+    def __init__(self, mapping: dict, batched: da.Array, axis: int, k: int):
+        super().__init__(mapping)
+        self.batched, self.axis, self.k = batched, axis, k
+
+
 def _unbatched(
     y: da.Array, axis: int, chunks: tuple[int, ...], k: int, name: str | None
 ) -> da.Array:
@@ -339,7 +351,7 @@ def _unbatched(
         dsk[(name, *idx)] = (operator.getitem, source, along(axis, lo, lo + chunks[j]))
     out_chunks = list(y.chunks)
     out_chunks[axis] = tuple(chunks)
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[y])
+    graph = HighLevelGraph.from_collections(name, _CutBack(dsk, y, axis, k), dependencies=[y])
     return da.Array(graph, name, tuple(out_chunks), meta=y._meta)
 
 
@@ -352,6 +364,10 @@ def _joined(
     broadcast as it is."""
     out = list(arrays)
     for i, x, ax in _split_arrays(arrays, positions, ndim, axis):
+        cut = x.dask.layers.get(x.name)
+        if isinstance(cut, _CutBack) and (cut.axis, cut.k) == (ax, k):
+            out[i] = cut.batched  # an auto stage's blocks, batched as they were made
+            continue
         # A concatenated or reordered x: gather the blocks its aliases stand for.
         subs = alias_targets(x.dask, [x.name])
         n = x.numblocks[ax]
@@ -584,7 +600,8 @@ def map_blocks(
         neither ``chunks`` nor ``drop_axis``, a ``func`` that takes neither ``block_id``
         nor ``block_info``, block sizes known) and cuts each partition's output back
         into its blocks (views), so the output's chunks are the blocks' as with
-        ``batch=1``; elsewhere it is 1. ``split_axis`` already lets ``func`` see any
+        ``batch=1``; elsewhere it is 1. A next auto stage that joins the same blocks
+        takes those partitions' outputs as they are (the cut is then never run). ``split_axis`` already lets ``func`` see any
         slice along the axis: sub-chunks cut a partition, batches join several.
 
     Returns

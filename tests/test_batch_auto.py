@@ -248,6 +248,56 @@ def test_a_second_stage_joins_the_first_stages_blocks_without_a_copy(batch_bytes
     assert sorted(f.shapes) == [(40, 8)] * 4
 
 
+def _ran(collection: Any) -> dict[str, int]:
+    """How many tasks of each name prefix the optimized graph of ``collection`` has."""
+    from collections import Counter
+
+    (opt,) = dask.optimize(collection)
+    keys = [k for k in dict(opt.__dask_graph__()) if isinstance(k, tuple)]
+    return Counter(k[0].rsplit("-", 1)[0] for k in keys)
+
+
+@pytest.mark.parametrize("out", ["host", "pinned", "device"])
+def test_a_second_stage_takes_the_first_stages_partitions_as_they_are(out, batch_bytes):
+    """A next auto stage that joins the same blocks gets the first stage's partition
+    outputs themselves: neither the slices that cut them nor a join of them runs."""
+    batch_bytes(4 * 640)
+    a = grid(160, 8)
+    first = dask_overlap.map_blocks(
+        np.negative, da.from_array(a, chunks=(10, 8)), split_axis=0, out=out
+    )
+    f = Calls(lambda b: b * 2)
+    second = dask_overlap.map_blocks(f, first, split_axis=0, dtype=a.dtype)
+    ran = _ran(second)
+    assert ran["overlap-unbatch"] == 16, ran  # the second stage's own cut, not the first's
+    assert ran["overlap-batch"] == 4, ran  # the first stage's join of from_array's blocks
+    assert second.chunks == first.chunks == ((10,) * 16, (8,))
+    both = dask.compute(first, second)
+    np.testing.assert_array_equal(both[0], -a)  # the first stage's cut blocks still work
+    np.testing.assert_array_equal(both[1], -a * 2)
+    assert sorted(f.shapes) == [(40, 8)] * 4
+
+
+def test_a_second_stage_that_joins_other_blocks_joins_the_cut_ones(batch_bytes):
+    """Where the next stage joins a different number of blocks (here: it has a second,
+    wider input), it joins the first stage's cut blocks as any others."""
+    batch_bytes(4 * 640)
+    a = grid(160, 8)
+    first = dask_overlap.map_blocks(np.negative, da.from_array(a, chunks=(10, 8)), split_axis=0)
+    wide = da.from_array(grid(160, 8), chunks=(10, 8))
+    shapes: list[tuple[int, ...]] = []
+
+    def f(b: np.ndarray, c: np.ndarray) -> np.ndarray:
+        if b.size:
+            shapes.append(b.shape)
+        return b + c
+
+    second = dask_overlap.map_blocks(f, first, wide, split_axis=0, dtype=a.dtype)
+    assert _ran(second)["overlap-unbatch"] == 32  # both stages' cuts run
+    np.testing.assert_array_equal(second.compute(scheduler="sync"), -a + grid(160, 8))
+    assert sorted(shapes) == [(20, 8)] * 8
+
+
 def test_a_bad_batch_names_auto_as_the_other_choice():
     x = da.from_array(grid(), chunks=(10, 8))
     with pytest.raises(TypeError, match="batch must be a positive integer or 'auto', got 'Auto'"):
