@@ -601,8 +601,9 @@ def map_blocks(
         nor ``block_info``, block sizes known) and cuts each partition's output back
         into its blocks (views), so the output's chunks are the blocks' as with
         ``batch=1``; elsewhere it is 1. A next auto stage that joins the same blocks
-        takes those partitions' outputs as they are (the cut is then never run). ``split_axis`` already lets ``func`` see any
-        slice along the axis: sub-chunks cut a partition, batches join several.
+        takes those partitions' outputs as they are (the cut is then never run).
+        ``split_axis`` already lets ``func`` see any slice along the axis: sub-chunks
+        cut a partition, batches join several.
 
     Returns
     -------
