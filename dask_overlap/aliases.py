@@ -19,7 +19,7 @@ have moved unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import dask.array as da
@@ -41,29 +41,24 @@ def layer_of(key: Any) -> str | None:
     return key if isinstance(key, str) else None
 
 
-def _target(value: Any, graph: HighLevelGraph) -> Any:
-    """What ``value`` (a task of a materialized layer) is an alias of, or ``None``: a key
-    of the layer named for it (the rule of an array's graph, which the partition layer's
-    dependencies are then written by)."""
+def _target(value: Any) -> Any:
+    """What ``value`` (a task of a materialized layer) would be an alias of, or ``None``."""
     if Alias is not None and isinstance(value, Alias):
-        target = value.target
-    elif isinstance(value, tuple) and iskey(value):  # Dask's legacy spelling of an alias
-        target = value
-    else:
-        return None
-    layer = graph.layers.get(layer_of(target) or "")
-    return target if layer is not None and target in layer else None
+        return value.target
+    if isinstance(value, tuple) and iskey(value):  # Dask's legacy spelling of an alias
+        return value
+    return None
 
 
-def _aliases_of(layer: Mapping, graph: HighLevelGraph) -> dict[Any, Any] | None:
+def _aliases_of(layer: Mapping, is_key: Callable[[Any], bool]) -> dict[Any, Any] | None:
     """``layer``'s keys and their targets, if it is materialized and every task in it is
-    an alias; otherwise ``None``."""
+    an alias of a key (``is_key``); otherwise ``None``."""
     if not isinstance(layer, MaterializedLayer):  # a Blockwise layer computes something
         return None
     out = {}
     for key, value in layer.items():
-        target = _target(value, graph)
-        if target is None or target == key:
+        target = _target(value)
+        if target is None or target == key or not is_key(target):
             return None
         out[key] = target
     return out or None
@@ -83,10 +78,23 @@ def alias_targets(graph: HighLevelGraph, names: Iterable[str]) -> dict[Any, Any]
     (True, True)
     """
     layers: dict[str, dict[Any, Any] | None] = {}
+    keys: dict[str, Any] = {}
+
+    def is_key(key: Any) -> bool:
+        """Whether ``key`` is a key of the layer named for it (the rule of an array's
+        graph, by which the partition layer's dependencies are then written). A layer's
+        keys are listed once, without building its tasks."""
+        name = layer_of(key)
+        if name not in graph.layers:
+            return False
+        if name not in keys:
+            keys[name] = graph.layers[name].get_output_keys()
+        return key in keys[name]
 
     def aliases(name: str) -> dict[Any, Any] | None:
         if name not in layers:
-            layers[name] = _aliases_of(graph.layers[name], graph) if name in graph.layers else None
+            layer = graph.layers.get(name)
+            layers[name] = None if layer is None else _aliases_of(layer, is_key)
         return layers[name]
 
     out: dict[Any, Any] = {}
