@@ -59,7 +59,9 @@ def runtime_stats(backend: str | None = None) -> dict[str, Any]:
     that exists. Includes ``backend``, ``partitions``, ``sub_chunks``, ``bytes_staged``,
     ``bytes_h2d``, ``bytes_d2h``, ``bytes_unstaged``, ``in_flight``,
     ``pinned_bytes_in_use``, ``pinned_bytes_held`` (pinned results), ``ring_waits``,
-    ``device_bytes_in_use``, ``pinned_fallbacks`` and ``backpressure_seconds``. Zeros when
+    ``device_bytes_in_use``, ``pinned_fallbacks``, ``pinned_refused`` (of those fallbacks,
+    the blocks the pool's allocator refused although its budget had room: a fixed-size
+    pool that is fragmented) and ``backpressure_seconds``. Zeros when
     no runtime exists yet. On a worker with an :class:`~dask_overlap.OverlapPlugin`, the
     plugin's runtime (``client.run(dask_overlap.runtime_stats)`` asks every worker).
 

@@ -165,6 +165,7 @@ class Runtime:
             pinned_bytes_peak=pool.peak,
             pinned_pool_size=pool.limit,
             ring_waits=pool.waits,
+            pinned_refused=pool.refused,
             device_bytes_in_use=(out["device_bytes_in_flight"] if device is None else device),
             streams=len(self.streams),
             staging_threads=self.copy_threads,
@@ -271,6 +272,7 @@ def idle_stats(backend: str) -> dict[str, Any]:
         pinned_bytes_held=0,
         pinned_bytes_peak=0,
         ring_waits=0,
+        pinned_refused=0,
         device_bytes_in_use=0,
     )
     return out

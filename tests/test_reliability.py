@@ -974,8 +974,10 @@ def test_small_pinned_pool(cupy: Any, pool: int) -> None:
     assert stats["pinned_bytes_peak"] <= pool
     if pool < 2 * 65536:  # not one sub-chunk's way in and out fits: all of it falls back
         assert stats["pinned_fallbacks"] >= 2 * x.npartitions
-    else:  # smaller than a partition: sub-chunks wait for ring room instead
-        assert stats["pinned_fallbacks"] == 0
+    else:  # smaller than a partition: sub-chunks wait for ring room instead; the only
+        # fallbacks are blocks RMM's fixed-size pool refused although the budget had room
+        # (fragmented by the two stages' 64 and 32 KiB blocks side by side)
+        assert stats["pinned_fallbacks"] == stats["pinned_refused"]
     assert stats["in_flight"] == 0
 
 

@@ -400,6 +400,35 @@ def test_a_pool_block_that_fails_to_come_gives_its_room_back(monkeypatch):
     assert pool.in_use == 0 and pool.held == 0
 
 
+def test_a_block_the_allocator_refuses_is_a_fallback_counted_as_refused(monkeypatch):
+    """A fixed-size pool can be fragmented: the allocator refuses a block the budget had
+    room for. The sub-chunk falls back to pageable memory (``pinned_fallbacks``) and the
+    pool counts the refusal (``pinned_refused``), so that a fallback for lack of budget
+    and one for fragmentation can be told apart; the result is right either way."""
+    from dask_overlap.backends.base import HostPool
+
+    real = HostPool._raw
+    calls = {"n": 0}
+
+    def fragmented(self, nbytes):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second block asked for: refused once
+            raise MemoryError("fragmented")
+        return real(self, nbytes)
+
+    monkeypatch.setattr(HostPool, "_raw", fragmented)
+    a, x = data()
+    with dask.config.set({"overlap.direct-bytes": 0}):
+        dask_overlap.close_runtimes()
+        y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=80, batch=1)
+        np.testing.assert_array_equal(y.compute(scheduler="sync"), -a)
+        stats = wait_until_idle()
+    dask_overlap.close_runtimes()
+    assert stats["pinned_refused"] == 1
+    assert stats["pinned_fallbacks"] == 1  # that one, and none for lack of budget
+    assert stats["pinned_bytes_in_use"] == 0
+
+
 def test_cached_device_memory_goes_back_only_once_the_runtime_is_idle(monkeypatch):
     """The runtime asks its backend to trim (give cached device memory back) when no
     partition has run for a while, never while one runs."""

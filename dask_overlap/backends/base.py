@@ -188,6 +188,9 @@ class HostPool:
         self.peak = 0
         self.allocations = 0
         self.waits = 0  # wait_for_room calls that had to wait
+        # blocks the allocator refused although the budget had room for them (a fixed-size
+        # pool that is fragmented): each is a fallback, counted by the caller as well
+        self.refused = 0
         # id(owner) -> owner, to recognise arrays that live in this pool
         self._owners: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
 
@@ -231,6 +234,8 @@ class HostPool:
             weakref.finalize(owner, self._release, charged, held, give_back)
         except MemoryError:
             self._uncharge(charged, held)
+            with self._cond:
+                self.refused += 1
             return None  # out of memory (or fragmented): the caller falls back, counted
         except BaseException:
             self._uncharge(charged, held)
