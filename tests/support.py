@@ -10,9 +10,11 @@ import gc
 import os
 import signal
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import dask
 import numpy as np
 from distributed.utils_test import poll_for
 
@@ -209,3 +211,11 @@ def require_gpu() -> Any:
     if not cp.cuda.is_available():
         pytest.skip("no CUDA GPU is visible", allow_module_level=True)
     return cp
+
+
+def task_prefixes(collection: Any) -> Counter:
+    """How many tasks of each name prefix (``"overlap-unbatch"`` of
+    ``("overlap-unbatch-<token>", 3)``) the optimized graph of ``collection`` has."""
+    (opt,) = dask.optimize(collection)
+    keys = [k for k in dict(opt.__dask_graph__()) if isinstance(k, tuple)]
+    return Counter(k[0].rsplit("-", 1)[0] for k in keys)

@@ -10,15 +10,10 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from support import task_prefixes
 
 import dask_overlap
 from dask_overlap.aliases import alias_targets, skip_aliases
-
-
-def prefixes(collection: Any) -> Counter:
-    """How many tasks of each name prefix the optimized graph of ``collection`` runs."""
-    (opt,) = dask.optimize(collection)
-    return Counter(k[0].rsplit("-", 1)[0] for k in dict(opt.__dask_graph__()))
 
 
 def add(a: Any, b: Any) -> Any:
@@ -38,7 +33,7 @@ def x() -> da.Array:
 def test_a_reordered_input_is_read_from_its_blocks_with_no_alias_tasks(x, batch):
     r = reversed_blocks(x)
     y = dask_overlap.map_blocks(add, x, r, split_axis=0, batch=batch, dtype=x.dtype)
-    counts = prefixes(y)
+    counts = task_prefixes(y)
     assert "concatenate" not in counts and "blocks" not in counts, counts
     assert counts["array"] == 8  # from_array's blocks, each read by two partitions
     np.testing.assert_array_equal(y.compute(), x.compute() + r.compute())
@@ -60,7 +55,7 @@ def test_chains_of_alias_layers_are_followed_to_the_end(x):
     assert {k[1]: v for k, v in subs.items()} == {i: (x.name, 7 - i, 0) for i in range(8)}
     assert not alias_targets(x.dask, [x.name])  # from_array's own blocks: no aliases
     y = dask_overlap.map_blocks(add, a, b, split_axis=0, batch=1, dtype=x.dtype)
-    counts = prefixes(y)
+    counts = task_prefixes(y)
     assert "blocks" not in counts, counts
     np.testing.assert_array_equal(y.compute(), a.compute() + b.compute())
 

@@ -13,6 +13,7 @@ import pytest
 from support import (
     compute_on_two_worker_processes,
     pinned_in_use_once_collected,
+    task_prefixes,
     wait_until_idle,
 )
 
@@ -248,15 +249,6 @@ def test_a_second_stage_joins_the_first_stages_blocks_without_a_copy(batch_bytes
     assert sorted(f.shapes) == [(40, 8)] * 4
 
 
-def _ran(collection: Any) -> dict[str, int]:
-    """How many tasks of each name prefix the optimized graph of ``collection`` has."""
-    from collections import Counter
-
-    (opt,) = dask.optimize(collection)
-    keys = [k for k in dict(opt.__dask_graph__()) if isinstance(k, tuple)]
-    return Counter(k[0].rsplit("-", 1)[0] for k in keys)
-
-
 @pytest.mark.parametrize("out", ["host", "pinned", "device"])
 def test_a_second_stage_takes_the_first_stages_partitions_as_they_are(out, batch_bytes):
     """A next auto stage that joins the same blocks gets the first stage's partition
@@ -268,7 +260,7 @@ def test_a_second_stage_takes_the_first_stages_partitions_as_they_are(out, batch
     )
     f = Calls(lambda b: b * 2)
     second = dask_overlap.map_blocks(f, first, split_axis=0, dtype=a.dtype)
-    ran = _ran(second)
+    ran = task_prefixes(second)
     assert ran["overlap-unbatch"] == 16, ran  # the second stage's own cut, not the first's
     assert ran["overlap-batch"] == 4, ran  # the first stage's join of from_array's blocks
     assert second.chunks == first.chunks == ((10,) * 16, (8,))
@@ -293,7 +285,7 @@ def test_a_second_stage_that_joins_other_blocks_joins_the_cut_ones(batch_bytes):
         return b + c
 
     second = dask_overlap.map_blocks(f, first, wide, split_axis=0, dtype=a.dtype)
-    assert _ran(second)["overlap-unbatch"] == 32  # both stages' cuts run
+    assert task_prefixes(second)["overlap-unbatch"] == 32  # both stages' cuts run
     np.testing.assert_array_equal(second.compute(scheduler="sync"), -a + grid(160, 8))
     assert sorted(shapes) == [(20, 8)] * 8
 
