@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--block", default="4MiB", help="input block bytes")
     p.add_argument("--threads", type=int, default=8, help="Dask threads")
     p.add_argument("--repeat", type=int, default=3, help="timed runs; best kept")
-    p.add_argument("--batch", default=None, help="also run batch=K in both stages")
+    p.add_argument("--batch", default=None, help="also run batch=K in the first stage, kept joined")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     rt = dask_overlap.get_runtime()
