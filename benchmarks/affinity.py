@@ -1,7 +1,7 @@
 """What a GPU worker's CPU affinity changes: pinned copies and staging, on near, all, far cores.
 
 ``overlap.cpu-affinity`` keeps each GPU worker on the cores NVML reports near its GPU
-(``dask_overlap.affinity``). This measures what that changes for the work that runs on
+(``dask_overlap.cluster.affinity``). This measures what that changes for the work that runs on
 those cores, in one process and one run. For each case the whole process (every thread)
 is moved to the case's cores, a fresh runtime is built there (its pinned pool allocated
 and its copy threads counted from the cores, as in a worker whose affinity is set before
@@ -41,8 +41,8 @@ import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
 import dask_overlap
-from dask_overlap.affinity import nvml_cores, process_cores, restrict, set_process_affinity
-from dask_overlap.cluster import visible_gpus
+from dask_overlap.cluster.affinity import nvml_cores, process_cores, restrict, set_process_affinity
+from dask_overlap.cluster.local import visible_gpus
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_default import best_persist, random_data  # noqa: E402

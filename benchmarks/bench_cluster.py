@@ -29,7 +29,7 @@ from dask.utils import format_bytes, parse_bytes
 from distributed import Client, wait
 
 import dask_overlap
-from dask_overlap.cluster import plan_workers
+from dask_overlap.cluster.local import plan_workers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_overlap import KERNEL_RATIO, WORKLOADS, comma_list, write_json  # noqa: E402

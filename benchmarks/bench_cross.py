@@ -12,7 +12,7 @@ earlier run's ``y`` is left anywhere, and times, until every chunk exists, stage
 - local: ``other`` is ``y``, so each task's inputs are on its own worker;
 - local_reordered: ``other`` is ``y`` through the layer that reverses it in crossing,
   with its blocks in their own order: all local, and the same graph as crossing (a layer
-  of aliases, which the partitions now read through: ``dask_overlap.aliases``; before,
+  of aliases, which the partitions now read through: ``dask_overlap.graph.aliases``; before,
   each alias was a task and a scheduling round), so crossing over this is what crossing
   workers costs;
 - crossing: ``other`` is ``y`` with its blocks reversed, so task ``i`` adds blocks ``i``
@@ -57,10 +57,10 @@ from dask.utils import format_bytes, parse_bytes
 from distributed import Client, wait
 
 import dask_overlap
+from dask_overlap.cluster.ucx import check_protocol, is_ucx, require_ucx
 from dask_overlap.metrics.timeline import busy_wall_seconds
 from dask_overlap.metrics.worker import transfer_spans
-from dask_overlap.runtime import Span
-from dask_overlap.ucx import check_protocol, is_ucx, require_ucx
+from dask_overlap.pipeline.runtime import Span
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_cluster import COLS, persist_seconds  # noqa: E402

@@ -26,8 +26,9 @@ import dask
 import numpy as np
 
 import dask_overlap
-from dask_overlap import array, output, partition
 from dask_overlap.backends import cuda
+from dask_overlap.graph import map_blocks as array
+from dask_overlap.pipeline import output, partition
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_overlap import array_of_views  # noqa: E402

@@ -121,7 +121,7 @@ def by_hand(block: np.ndarray) -> np.ndarray:
 def without_marks(fn):
     """``fn()`` with the runner's device timing marks off: what they cost."""
     from dask_overlap.backends import cuda
-    from dask_overlap.partition import _PartitionRun
+    from dask_overlap.pipeline.partition import _PartitionRun
 
     mark, resolve = cuda.CudaBackend.mark, _PartitionRun._resolve_marks
     cuda.CudaBackend.mark = lambda self, stream: None

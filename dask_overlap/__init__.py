@@ -10,15 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import config as _config  # registers the overlap.* defaults with dask.config
-from .array import map_blocks
 from .config import Options, TimedModel
-from .current import get_runtime, runtime_stats
-from .runtime import Runtime, close_runtimes
+from .graph.map_blocks import map_blocks
+from .pipeline.current import get_runtime, runtime_stats
+from .pipeline.runtime import Runtime, close_runtimes
 
 if TYPE_CHECKING:
-    from .cluster import LocalGPUCluster
+    from .cluster.local import LocalGPUCluster
+    from .cluster.plugin import OverlapPlugin
     from .dashboard import OverlapSchedulerPlugin, register
-    from .plugin import OverlapPlugin
 
 __all__ = [
     "LocalGPUCluster",
@@ -41,11 +41,11 @@ def __getattr__(name: str) -> Any:
     # The distributed integration loads on first use: importing distributed configures
     # its logging, which importing this package must not do.
     if name == "OverlapPlugin":
-        from .plugin import OverlapPlugin
+        from .cluster.plugin import OverlapPlugin
 
         return OverlapPlugin
     if name == "LocalGPUCluster":
-        from .cluster import LocalGPUCluster
+        from .cluster.local import LocalGPUCluster
 
         return LocalGPUCluster
     if name in ("OverlapSchedulerPlugin", "register"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .cli import main
+from .cluster.cli import main
 
 if __name__ == "__main__":
     main(prog_name="python -m dask_overlap")

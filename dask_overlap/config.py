@@ -141,8 +141,10 @@ class Options:
     direct_bytes: int  # sub-chunks that move at most this much skip the ring
     device_pool_size: int
     device_memory_resource: str
-    cpu_affinity: bool  # GPU workers keep to their GPU's cores: see dask_overlap.affinity
-    pinned_serialize: bool  # CuPy over TCP through the pinned pool: see dask_overlap.serialize
+    cpu_affinity: bool  # GPU workers keep to their GPU's cores: see dask_overlap.cluster.affinity
+    pinned_serialize: (
+        bool  # CuPy over TCP through the pinned pool: see dask_overlap.cluster.serialize
+    )
     timed: TimedModel
 
     @classmethod

@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     from distributed import Client
 
     from dask_overlap import LocalGPUCluster, Options
-    from dask_overlap.cluster import plan_workers
+    from dask_overlap.cluster.local import plan_workers
 
     try:
         options = Options.from_config(backend=args.backend)

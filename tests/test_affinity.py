@@ -27,18 +27,18 @@ from click.testing import CliRunner
 from distributed import Client, LocalCluster, WorkerPlugin
 from support import CLUSTER_KW
 
-import dask_overlap.cluster as cluster_mod
+import dask_overlap.cluster.local as cluster_mod
 from dask_overlap import LocalGPUCluster, Options, OverlapPlugin
-from dask_overlap.affinity import (
+from dask_overlap.cluster.affinity import (
     CPUAffinity,
     gpu_cores,
     nvml_cores,
     restrict,
     unpack_bitmask,
 )
-from dask_overlap.cli import main, options_from_params
-from dask_overlap.cluster import WorkerLayout, plan_workers, visible_gpus
-from dask_overlap.plugin import resolve_options
+from dask_overlap.cluster.cli import main, options_from_params
+from dask_overlap.cluster.local import WorkerLayout, plan_workers, visible_gpus
+from dask_overlap.cluster.plugin import resolve_options
 
 HOST = dict(backend="host", pinned_pool_size="16MiB", streams=2)
 CORES = sorted(os.sched_getaffinity(0))

@@ -13,7 +13,7 @@ import pytest
 from support import task_prefixes
 
 import dask_overlap
-from dask_overlap.aliases import alias_targets, skip_aliases
+from dask_overlap.graph.aliases import alias_targets, skip_aliases
 
 
 def add(a: Any, b: Any) -> Any:
@@ -82,7 +82,10 @@ def test_annotations_and_the_partition_task_survive_the_rewrite(x):
     with dask.annotate(retries=3):
         y = dask_overlap.map_blocks(add, x, r, split_axis=0, batch=1, dtype=x.dtype)
     layer = y.dask.layers[y.name]
-    assert layer.annotations == {"retries": 3, dask_overlap.array.PARTITION_ANNOTATION: y.name}
+    assert layer.annotations == {
+        "retries": 3,
+        dask_overlap.graph.map_blocks.PARTITION_ANNOTATION: y.name,
+    }
     plain = dask_overlap.map_blocks(add, x, x, split_axis=0, batch=1, dtype=x.dtype)
     kinds = {type(t) for t in dict(layer).values()}
     assert kinds == {type(t) for t in dict(plain.dask.layers[plain.name]).values()}

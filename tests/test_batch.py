@@ -11,8 +11,8 @@ import pytest
 from support import compute_on_two_worker_processes, wait_until_idle
 
 import dask_overlap
-from dask_overlap.layout import along
-from dask_overlap.pieces import Pieces, PinnedBlocks
+from dask_overlap.pipeline.layout import along
+from dask_overlap.pipeline.pieces import Pieces, PinnedBlocks
 
 
 def grid(rows: int = 100, cols: int = 8) -> np.ndarray:

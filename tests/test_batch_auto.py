@@ -18,7 +18,7 @@ from support import (
 )
 
 import dask_overlap
-import dask_overlap.array
+import dask_overlap.graph.map_blocks
 
 
 def grid(rows: int = 120, cols: int = 8) -> np.ndarray:
@@ -29,10 +29,10 @@ def grid(rows: int = 120, cols: int = 8) -> np.ndarray:
 def batch_bytes(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Sets the size "auto" joins blocks up to (64 MiB; tests use blocks of a few KiB), and
     lets it join down to one partition (it keeps 8 of a small array's)."""
-    monkeypatch.setattr(dask_overlap.array, "AUTO_MIN_PARTITIONS", 1)
+    monkeypatch.setattr(dask_overlap.graph.map_blocks, "AUTO_MIN_PARTITIONS", 1)
 
     def set_to(nbytes: int) -> None:
-        monkeypatch.setattr(dask_overlap.array, "AUTO_MIN_BYTES", nbytes)
+        monkeypatch.setattr(dask_overlap.graph.map_blocks, "AUTO_MIN_BYTES", nbytes)
 
     return set_to
 
@@ -224,7 +224,7 @@ def test_a_second_stage_joins_the_first_stages_blocks_without_a_copy(batch_bytes
     """The blocks of a batch="auto" stage are consecutive slices of their partition's
     result: a next stage joined the same way gets that result back as it is."""
     from dask_overlap import get_runtime
-    from dask_overlap.pieces import Pieces, join
+    from dask_overlap.pipeline.pieces import Pieces, join
 
     owner = grid(40, 6)
     joined, copied = join(

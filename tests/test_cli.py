@@ -20,8 +20,8 @@ from support import poll
 
 import dask_overlap
 from dask_overlap import Options, OverlapPlugin, runtime_stats
-from dask_overlap.cli import main, options_from_params
-from dask_overlap.cluster import plan_workers
+from dask_overlap.cluster.cli import main, options_from_params
+from dask_overlap.cluster.local import plan_workers
 
 OPTION_FLAGS = [
     f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(Options) if f.name != "timed"

@@ -18,7 +18,7 @@ from support import CLUSTER_KW, plugin, poll
 
 import dask_overlap
 from dask_overlap import LocalGPUCluster, Options, OverlapPlugin, runtime_stats
-from dask_overlap.cluster import (
+from dask_overlap.cluster.local import (
     CPU_WORKERS,
     THREADS_PER_WORKER,
     WorkerLayout,
@@ -27,7 +27,7 @@ from dask_overlap.cluster import (
     plan_workers,
     visible_gpus,
 )
-from dask_overlap.plugin import resolve_options, worker_runtime
+from dask_overlap.cluster.plugin import resolve_options, worker_runtime
 
 
 def func(b: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from dask_overlap.copies import Copier
+from dask_overlap.pipeline.copies import Copier
 
 MiB = 1 << 20
 

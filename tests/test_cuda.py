@@ -27,7 +27,7 @@ cp = require_gpu()
 
 from dask_overlap.backends import cuda  # noqa: E402
 from dask_overlap.backends.cuda import CudaBackend, _rows, guard_kernel_pickling  # noqa: E402
-from dask_overlap.partition import PartitionSpec, run_partition  # noqa: E402
+from dask_overlap.pipeline.partition import PartitionSpec, run_partition  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -459,7 +459,7 @@ def test_small_partitions_are_timed_now_and_then_and_all_reach_the_timeline(
     """The lean path times a small partition's stages on the device only now and then
     (its marks are driver calls): here the first ones, before any was learned. Every
     partition still has its three spans on the timeline, bytes and busy seconds."""
-    from dask_overlap import sampling
+    from dask_overlap.pipeline import sampling
 
     monkeypatch.setattr(sampling, "SAMPLE_SECONDS", 3600.0)
     x = np.random.default_rng(6).standard_normal((200 * 64, 128)).astype(np.float32)
@@ -546,9 +546,9 @@ def test_small_blocks_are_batched_by_default_and_cut_back(
     the output is cut back into 64 blocks, views of their partition's result."""
     import cupyx
 
-    import dask_overlap.array
+    import dask_overlap.graph.map_blocks
 
-    monkeypatch.setattr(dask_overlap.array, "AUTO_MIN_BYTES", 8 * 64 * 320 * 4)
+    monkeypatch.setattr(dask_overlap.graph.map_blocks, "AUTO_MIN_BYTES", 8 * 64 * 320 * 4)
     a = np.random.default_rng(8).standard_normal((64 * 64, 320)).astype(np.float32)
     host = cupyx.empty_pinned(a.shape, a.dtype)
     host[...] = a
@@ -573,7 +573,7 @@ def test_small_blocks_are_batched_by_default_and_cut_back(
 
 
 def test_device_slices_of_one_array_are_joined_without_a_copy() -> None:
-    from dask_overlap.pieces import Pieces, join
+    from dask_overlap.pipeline.pieces import Pieces, join
 
     owner = cp.arange(64 * 8, dtype=cp.float32).reshape(64, 8)
     joined, copied = join(

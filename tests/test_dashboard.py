@@ -311,7 +311,7 @@ def test_view_plots_the_rates_heartbeats_reported() -> None:
 
 def beat(t: float, spans: list[tuple[int, str, float, float]], h2d: float = 1e9) -> dict:
     """A heartbeat entry at worker time ``t`` carrying ``(sub_chunk, stage, start, end)``."""
-    from dask_overlap.runtime import Span
+    from dask_overlap.pipeline.runtime import Span
 
     packed = pack([Span(("f", 0), i, 0, st, a, b, 10) for i, st, a, b in spans])
     return {"time": t, "h2d_bytes_per_second": h2d, "d2h_bytes_per_second": 0.0, "recent": packed}

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from dask_overlap.engine import (
+from dask_overlap.pipeline.engine import (
     Action,
     Done,
     EngineError,

@@ -19,8 +19,8 @@ import pytest
 from support import wait_until_idle
 
 import dask_overlap
-from dask_overlap.engine import Pipeline
-from dask_overlap.runtime import Span
+from dask_overlap.pipeline.engine import Pipeline
+from dask_overlap.pipeline.runtime import Span
 
 
 def small() -> tuple[np.ndarray, da.Array]:
@@ -134,7 +134,7 @@ def test_sampled_timing_times_some_partitions_and_estimates_the_others(monkeypat
     first partition is timed and, within the sampling period, its others are not; every
     partition still reaches the timeline, the busy seconds and the byte counts, its spans
     estimated from the timed one's and scaled by its bytes."""
-    from dask_overlap import sampling
+    from dask_overlap.pipeline import sampling
 
     monkeypatch.setattr(sampling, "SAMPLE_SECONDS", 3600.0)  # one timed, in any test run
     a = np.random.default_rng(1).standard_normal((700, 64))
@@ -247,7 +247,7 @@ def test_a_small_partition_stays_lean_in_calls():
 def test_a_small_partition_updates_the_counters_twice(monkeypatch):
     """One locked update when a lean partition starts (the gauges others read while it
     runs) and one when it ends (everything else, flushed once)."""
-    from dask_overlap.stats import Counters
+    from dask_overlap.pipeline.stats import Counters
 
     seen: list[str] = []
     add, settle = Counters.add, Counters.settle
@@ -273,7 +273,7 @@ def test_a_small_partition_updates_the_counters_twice(monkeypatch):
 
 def test_the_partitions_name_is_formatted_only_for_an_error(monkeypatch):
     """Errors name the partition by its key; a partition that succeeds never formats it."""
-    from dask_overlap import partition, results
+    from dask_overlap.pipeline import partition, results
 
     names: list[Any] = []
     real = results.partition_name
@@ -324,7 +324,7 @@ class _CountingLock:
 
 
 def test_the_process_runtime_is_found_without_its_lock_until_the_settings_change(monkeypatch):
-    from dask_overlap import runtime
+    from dask_overlap.pipeline import runtime
 
     lock = _CountingLock()
     monkeypatch.setattr(runtime._runtimes, "lock", lock)
@@ -343,7 +343,7 @@ import sys, dask, dask.array as da, numpy as np, dask_overlap
 x = da.from_array(np.arange(600.0).reshape(6, 100), chunks=(1, 100))
 got = dask_overlap.map_blocks(np.negative, x).compute(scheduler="sync")
 assert (got == -np.arange(600.0).reshape(6, 100)).all()
-print("distributed" in sys.modules, "dask_overlap.plugin" in sys.modules)
+print("distributed" in sys.modules, "dask_overlap.cluster.plugin" in sys.modules)
 """
 
 
@@ -409,7 +409,9 @@ def test_partition_tasks_are_not_fused_with_blockwise_neighbours(build, stages):
 
     got = build(x, ours)
     dsk = _optimized(got)
-    partitions = [t for t in dsk.values() if isinstance(t, dask_overlap.array._UnfusedTask)]
+    partitions = [
+        t for t in dsk.values() if isinstance(t, dask_overlap.graph.map_blocks._UnfusedTask)
+    ]
     assert len(partitions) == stages * x.numblocks[0]
     assert not any(t.has_subgraph() for t in partitions)
     assert any(t.has_subgraph() for t in _optimized(build(x, plain)).values())
@@ -421,4 +423,4 @@ def test_a_users_annotations_stay_beside_the_one_that_keeps_partitions_apart():
     with dask.annotate(retries=2):
         y = dask_overlap.map_blocks(np.negative, x, split_axis=0, batch=1)
     annotations = y.dask.layers[y.name].annotations
-    assert annotations == {"retries": 2, dask_overlap.array.PARTITION_ANNOTATION: y.name}
+    assert annotations == {"retries": 2, dask_overlap.graph.map_blocks.PARTITION_ANNOTATION: y.name}

@@ -12,7 +12,7 @@ from dask.utils import parse_bytes
 from support import compute_on_two_worker_processes
 
 import dask_overlap
-from dask_overlap.engine import plan_sub_chunks
+from dask_overlap.pipeline.engine import plan_sub_chunks
 
 DTYPES = [
     np.float32,

@@ -17,7 +17,7 @@ from distributed.utils import key_split
 from support import poll
 
 import dask_overlap
-from dask_overlap.metrics import TaskMeter, busy_unit, nvtx, prometheus, stages, timeline
+from dask_overlap.metrics import prometheus, timeline
 from dask_overlap.metrics.summary import worker_metrics
 from dask_overlap.metrics.worker import (
     HEARTBEAT_IDLE_SECONDS,
@@ -30,6 +30,8 @@ from dask_overlap.metrics.worker import (
     transfer_spans,
     uninstall_worker_metrics,
 )
+from dask_overlap.pipeline import nvtx, stages
+from dask_overlap.pipeline.meter import TaskMeter, busy_unit
 
 STAGE_LABELS = (
     "overlap-staging",
@@ -78,7 +80,7 @@ def test_task_meter_totals_and_units() -> None:
 
 
 def metrics_stage(name: str) -> Any:
-    from dask_overlap.engine import Stage
+    from dask_overlap.pipeline.engine import Stage
 
     return Stage[name]
 
@@ -145,7 +147,7 @@ def test_worker_metrics_heartbeat_and_detail_of_a_threaded_run() -> None:
 
 
 def test_recent_spans_and_busy_wall_time() -> None:
-    from dask_overlap.runtime import Span
+    from dask_overlap.pipeline.runtime import Span
 
     spans = [Span(("x", 0), i, 0, "h2d", float(i), i + 0.5, 1) for i in range(10)]
     assert [s.sub_chunk for s in timeline.recent(spans, now=9.5, seconds=2.0)] == [7, 8, 9]
@@ -154,7 +156,7 @@ def test_recent_spans_and_busy_wall_time() -> None:
 
 
 def test_a_heartbeat_carries_a_bounded_window_of_spans() -> None:
-    from dask_overlap.runtime import Span
+    from dask_overlap.pipeline.runtime import Span
 
     rt = dask_overlap.get_runtime("host")
     rt.timeline.clear()
@@ -183,7 +185,7 @@ class FakeWorker:
 def test_transfers_ride_the_heartbeat_on_their_own_lane() -> None:
     """#16: what Dask moved in from other workers (distributed's transfer log) travels with
     the spans, as stage ``transfer`` on lane -2, in the heartbeat and the detailed view."""
-    from dask_overlap.runtime import Span
+    from dask_overlap.pipeline.runtime import Span
 
     rt = dask_overlap.get_runtime("host")
     rt.timeline.clear()
@@ -412,7 +414,7 @@ def test_prometheus_series_follow_the_configured_namespace() -> None:
 
 # -- sampled stage timing (the lean path on CUDA) -----------------------------------------
 def test_the_sampler_times_one_partition_per_period_per_call_and_large_ones_always():
-    from dask_overlap.sampling import ALWAYS_TIMED_BYTES, SAMPLE_SECONDS, StageSampler
+    from dask_overlap.pipeline.sampling import ALWAYS_TIMED_BYTES, SAMPLE_SECONDS, StageSampler
 
     s = StageSampler()
     spans = [("h2d", 0.0, 1.0, 100), ("compute", 1.0, 3.0, 100), ("d2h", 3.0, 3.5, 50)]
@@ -430,7 +432,7 @@ def test_the_sampler_times_one_partition_per_period_per_call_and_large_ones_alwa
 
 
 def test_the_sampler_forgets_every_call_past_its_bound():
-    from dask_overlap import sampling
+    from dask_overlap.pipeline import sampling
 
     s = sampling.StageSampler()
     for i in range(sampling._CALLS):

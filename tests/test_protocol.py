@@ -1,9 +1,9 @@
 """The protocol a cluster talks over (#16): ``LocalGPUCluster(protocol=)``, ``dask overlap
-worker --protocol`` and UCX's transports (:mod:`dask_overlap.ucx`).
+worker --protocol`` and UCX's transports (:mod:`dask_overlap.cluster.ucx`).
 
 On the CPU: the protocol reaches the scheduler and the workers, a protocol no worker
 process can use and UCX without ``distributed-ucxx`` are refused before anything starts,
-and the UCX settings are what :mod:`dask_overlap.ucx` says. Marked ``gpu``: a UCX
+and the UCX settings are what :mod:`dask_overlap.cluster.ucx` says. Marked ``gpu``: a UCX
 cluster of two workers on the GPU (it also needs ``distributed-ucxx``).
 """
 
@@ -30,9 +30,9 @@ from support import CLUSTER_KW, PLUGIN_OPTIONS, poll
 
 import dask_overlap
 from dask_overlap import LocalGPUCluster, Options, runtime_stats
-from dask_overlap.cli import main, worker_protocol
-from dask_overlap.cluster import plan_workers
-from dask_overlap.ucx import (
+from dask_overlap.cluster.cli import main, worker_protocol
+from dask_overlap.cluster.local import plan_workers
+from dask_overlap.cluster.ucx import (
     CPU_TRANSPORTS,
     GPU_TRANSPORTS,
     UCXSettings,
@@ -106,7 +106,7 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a cluster or a nanny was started")
 
     monkeypatch.setattr(LocalCluster, "__init__", refuse)
-    monkeypatch.setattr(dask_overlap.cli, "Nanny", refuse)
+    monkeypatch.setattr(dask_overlap.cluster.cli, "Nanny", refuse)
 
 
 # -- checked before anything starts ------------------------------------------------------

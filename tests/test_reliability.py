@@ -52,7 +52,7 @@ from support import (
 
 import dask_overlap
 from dask_overlap import runtime_stats
-from dask_overlap.runtime import process_runtimes
+from dask_overlap.pipeline.runtime import process_runtimes
 
 # These tests watch the ring with tiny arrays: every sub-chunk goes through it.
 pytestmark = pytest.mark.usefixtures("ring_only")
@@ -896,7 +896,7 @@ def _stop_of(stream: Any) -> Any:
 
 @pytest.mark.timeout(60)
 def test_a_callback_that_raises_fails_its_partition_instead_of_hanging(monkeypatch):
-    from dask_overlap import partition
+    from dask_overlap.pipeline import partition
 
     real = partition._PartitionRun._post
     raised = []

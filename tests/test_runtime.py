@@ -13,9 +13,9 @@ import pytest
 from support import poll, wait_until_idle
 
 import dask_overlap
-from dask_overlap import runtime as runtime_module
 from dask_overlap.config import Options
-from dask_overlap.partition import PartitionSpec, run_partition
+from dask_overlap.pipeline import runtime as runtime_module
+from dask_overlap.pipeline.partition import PartitionSpec, run_partition
 
 # These tests watch the ring with tiny arrays: every sub-chunk goes through it.
 pytestmark = pytest.mark.usefixtures("ring_only")
@@ -301,7 +301,7 @@ def test_large_staging_is_cut_into_pieces_for_the_copy_threads(monkeypatch):
 def test_a_stage_that_fails_when_issued_skips_the_stages_queued_after_it(monkeypatch):
     """H2D, kernel and D2H are issued together: if issuing the H2D itself raises, the
     kernel and D2H behind it are not issued, and the error reaches compute() as it was."""
-    from dask_overlap.runtime import Runtime
+    from dask_overlap.pipeline.runtime import Runtime
 
     class NoStream(RuntimeError):
         pass
@@ -334,7 +334,7 @@ def test_a_stage_that_fails_when_issued_skips_the_stages_queued_after_it(monkeyp
 def test_auto_sub_chunks_cut_only_as_far_as_the_running_partitions_need(
     partition, running, expected
 ):
-    from dask_overlap.layout import auto_sub_chunk_bytes
+    from dask_overlap.pipeline.layout import auto_sub_chunk_bytes
 
     assert auto_sub_chunk_bytes(partition, running) == expected
 
@@ -342,7 +342,7 @@ def test_auto_sub_chunks_cut_only_as_far_as_the_running_partitions_need(
 def test_auto_sub_chunks_follow_the_partitions_running(monkeypatch):
     """With ``sub-chunk-bytes: auto`` a partition that runs alone is cut in four; one that
     starts beside three others is not cut."""
-    from dask_overlap import layout
+    from dask_overlap.pipeline import layout
 
     monkeypatch.setattr(layout, "AUTO_MIN_BYTES", 1024)
     a = np.arange(64 * 128, dtype=np.float64).reshape(64, 128)  # one partition of 64 KiB

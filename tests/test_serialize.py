@@ -1,4 +1,4 @@
-"""CuPy chunks over TCP through pinned memory (#16): :mod:`dask_overlap.serialize`.
+"""CuPy chunks over TCP through pinned memory (#16): :mod:`dask_overlap.cluster.serialize`.
 
 On the CPU the serializers run as they do on a GPU worker, with a host runtime lending its
 pool, streams and copy threads, for a stand-in "device" array: a NumPy array behind a
@@ -25,7 +25,7 @@ from distributed.protocol.serialize import dask_deserialize, dask_serialize
 from support import CLUSTER_KW, GPU_CONFIG, PLUGIN_OPTIONS
 
 from dask_overlap import LocalGPUCluster, Options, Runtime, runtime_stats
-from dask_overlap.serialize import PinnedSerializer, register, unregister
+from dask_overlap.cluster.serialize import PinnedSerializer, register, unregister
 
 POOL = 1 << 20  # the host runtime's pool: blocks of up to half of it are lent
 COUNTERS = (
@@ -91,7 +91,8 @@ def distributed_loads(header: dict[str, Any], frames: Sequence[Any]) -> StandIn:
 
 
 class StandInArrays:
-    """The serializers' :class:`~dask_overlap.serialize.DeviceArrays` for :class:`StandIn`."""
+    """The serializers' :class:`~dask_overlap.cluster.serialize.DeviceArrays` for
+    :class:`StandIn`."""
 
     array_type = StandIn
 

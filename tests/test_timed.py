@@ -22,7 +22,7 @@ import pytest
 from support import wait_until_idle
 
 import dask_overlap
-from dask_overlap.runtime import Span
+from dask_overlap.pipeline.runtime import Span
 
 MB = 10**6
 RATE = 100 * MB  # H2D, D2H and the kernel: balanced, so no single stage dominates

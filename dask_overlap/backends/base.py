@@ -69,7 +69,7 @@ class Backend(Protocol):
     #: ordinary NumPy array).
     host_memory: bool
     #: Whether marks are dear enough (driver calls) that the lean path times only some
-    #: partitions' stages (see :mod:`dask_overlap.sampling`).
+    #: partitions' stages (see :mod:`dask_overlap.pipeline.sampling`).
     sampled_timing: bool
 
     def make_stream(self) -> Stream: ...

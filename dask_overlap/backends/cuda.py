@@ -547,7 +547,7 @@ def _device_pool(device_id: int, size: int, resource: str) -> Any:
                 # overlap.device-memory-resource: "async" is CUDA's stream-ordered pool
                 # (cross-stream reuse tracked by the driver), "pool" RMM's own; "auto"
                 # is async here (a UCX worker's plugin resolved it to pool already, see
-                # dask_overlap.ucx.device_memory_resource).
+                # dask_overlap.cluster.ucx.device_memory_resource).
                 if resource != "pool":
                     pool = rmm.mr.LimitingResourceAdaptor(
                         rmm.mr.CudaAsyncMemoryResource(

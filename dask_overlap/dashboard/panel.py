@@ -9,7 +9,7 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from ..metrics.stages import COLORS, DISPLAY_NAMES, TRANSFER_LANE
+from ..pipeline.stages import COLORS, DISPLAY_NAMES, TRANSFER_LANE
 
 __all__ = ["GB", "WorkerPanel", "format_rate"]
 

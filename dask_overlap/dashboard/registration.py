@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..plugin import OverlapPlugin
+from ..cluster.plugin import OverlapPlugin
 from .scheduler_plugin import OverlapSchedulerPlugin
 
 if TYPE_CHECKING:

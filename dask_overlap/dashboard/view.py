@@ -10,8 +10,8 @@ import dask.config
 from dask.utils import format_bytes
 
 from ..config import check_bytes
-from ..metrics.stages import COLORS, DISPLAY_NAMES, OTHER_COLOR
 from ..metrics.timeline import COLUMNS
+from ..pipeline.stages import COLORS, DISPLAY_NAMES, OTHER_COLOR
 from .panel import GB, WorkerPanel
 
 __all__ = ["OverlapView", "render_html", "resolve_link_bandwidth"]

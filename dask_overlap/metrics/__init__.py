@@ -41,7 +41,7 @@ tasks also run without distributed (the threaded scheduler).
 
 from __future__ import annotations
 
-from .nvtx import nvtx_range
-from .task_meter import TaskMeter, busy_unit
+from ..pipeline.meter import TaskMeter, busy_unit
+from ..pipeline.nvtx import nvtx_range
 
 __all__ = ["TaskMeter", "busy_unit", "nvtx_range"]

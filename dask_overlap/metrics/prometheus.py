@@ -32,7 +32,7 @@ from ..process import Registry
 from .summary import worker_metrics
 
 if TYPE_CHECKING:
-    from ..runtime import Runtime
+    from ..pipeline.runtime import Runtime
 
 __all__ = ["COUNTERS", "GAUGES", "OverlapCollector", "forget", "report"]
 

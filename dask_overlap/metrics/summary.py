@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..pipeline.meter import busy_unit
 from . import timeline
-from .task_meter import busy_unit
 
 if TYPE_CHECKING:
-    from ..runtime import Runtime
+    from ..pipeline.runtime import Runtime
 
 __all__ = ["RATE_SECONDS", "worker_metrics"]
 

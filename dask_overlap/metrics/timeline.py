@@ -1,6 +1,6 @@
 """The runtime's timeline as it travels: recent spans, as columns.
 
-A span is one stage of one sub-chunk as it ran (:class:`dask_overlap.runtime.Span`:
+A span is one stage of one sub-chunk as it ran (:class:`dask_overlap.pipeline.runtime.Span`:
 key, sub-chunk, stream, stage, start, end, bytes; times in ``time.time()`` seconds).
 :func:`columns` lays spans out as a dict of equal-length lists (``key`` as a string);
 :func:`pack` does the same with each key listed once, for heartbeats, and :func:`unpack`
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..runtime import Span
+    from ..pipeline.runtime import Span
 
 __all__ = ["COLUMNS", "busy_wall_seconds", "columns", "empty", "pack", "recent", "unpack"]
 
@@ -80,7 +80,7 @@ def pack(spans: Sequence[Span]) -> dict[str, list]:
 
     Examples
     --------
-    >>> from dask_overlap.runtime import Span
+    >>> from dask_overlap.pipeline.runtime import Span
     >>> packed = pack([Span(("x", 0), 0, 1, "h2d", 1.0, 2.0, 8)] * 2)
     >>> packed["keys"], packed["key"]
     (["('x', 0)"], [0, 0])

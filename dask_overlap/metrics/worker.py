@@ -27,15 +27,15 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..runtime import Span
+from ..pipeline.runtime import Span
+from ..pipeline.stages import TRANSFER, TRANSFER_LANE
 from . import prometheus, timeline
-from .stages import TRANSFER, TRANSFER_LANE
 from .summary import worker_metrics
 
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from ..runtime import Runtime
+    from ..pipeline.runtime import Runtime
 
 __all__ = [
     "HEARTBEAT_IDLE_SECONDS",
@@ -72,7 +72,7 @@ TIMELINE_LIMIT = 1500
 def transfer_spans(log: Iterable[Mapping[str, Any]]) -> list[Span]:
     """Distributed's transfer log (``Worker.transfer_incoming_log``: one entry per gather
     from one worker, with ``start``, ``stop``, ``keys`` and ``total`` bytes) as spans of
-    stage ``transfer`` on lane :data:`~dask_overlap.metrics.stages.TRANSFER_LANE`, in the
+    stage ``transfer`` on lane :data:`~dask_overlap.pipeline.stages.TRANSFER_LANE`, in the
     log's (completion) order. A span's key is the first key moved, its ``sub_chunk`` the
     number of keys.
 

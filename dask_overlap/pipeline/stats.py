@@ -34,7 +34,8 @@ class Counters:
     backpressure_seconds: float = 0.0
     busy_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     # CuPy arrays sent and received over TCP through this runtime's pinned pool, and those
-    # that found no room in it and took distributed's own pageable path (dask_overlap.serialize)
+    # that found no room in it and took distributed's own pageable path
+    # (dask_overlap.cluster.serialize)
     serialized_pinned: int = 0
     bytes_serialized_pinned: int = 0
     serialize_fallbacks: int = 0

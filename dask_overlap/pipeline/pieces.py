@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .infer import refuse_block
 from .layout import along
+from .results import refuse_block
 
 if TYPE_CHECKING:
     from .runtime import Runtime

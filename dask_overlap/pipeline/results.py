@@ -1,4 +1,5 @@
-"""What ``func`` must return: checks with errors that name the partition and the mismatch.
+"""What a partition may be handed and what ``func`` must return: checks with errors that
+name the partition and the mismatch.
 
 A block whose dtype or shape differs from what the dask array declares would make Dask's
 array lie about its own chunks, so every sub-chunk's result is checked before it is
@@ -21,6 +22,8 @@ __all__ = [
     "check_split_extent",
     "not_an_array",
     "partition_name",
+    "refusal",
+    "refuse_block",
 ]
 
 
@@ -102,3 +105,24 @@ def check_like_first(
             f"sub-chunk rows [{sub.start}:{sub.stop}] of {partition_name(key)}, but another "
             f"sub-chunk gave dtype {out.dtype} and shape {tuple(expected)}"
         )
+
+
+def refusal(x: Any) -> str | None:
+    """What is wrong with ``x`` (a meta or a block) as an input, if anything."""
+    if isinstance(x, np.ma.MaskedArray):
+        return (
+            "a masked array: dask_overlap copies only data, so its mask would be lost; fill "
+            "it first (x.filled(...)), or pass da.ma.getdata(x) and da.ma.getmaskarray(x) as "
+            "two inputs, or use dask.array.map_blocks"
+        )
+    if isinstance(x, np.matrix):
+        return "an np.matrix, whose shapes are not an ndarray's: pass np.asarray blocks"
+    return None
+
+
+def refuse_block(x: Any, where: str) -> None:
+    """Raise ``TypeError`` for a block :func:`refusal` refuses, at run time (a meta can say
+    less than its blocks), naming the partition (``where``)."""
+    why = refusal(x)
+    if why is not None:
+        raise TypeError(f"{where} got a block that is {why}")

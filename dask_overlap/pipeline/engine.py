@@ -3,7 +3,7 @@
 It plans how a partition splits into sub-chunks and, fed events ("sub-chunk 3 was
 staged", "sub-chunk 2 was copied out"), returns the next actions, never admitting more
 than ``in_flight`` sub-chunks at once. Backends carry the actions out; the partition
-runner (:mod:`dask_overlap.partition`) feeds their completions back as events. Every
+runner (:mod:`dask_overlap.pipeline.partition`) feeds their completions back as events. Every
 ordering rule of the assembly line lives here, so the tests can drive it directly.
 
 Each sub-chunk goes through the stages, in this order::

@@ -1,9 +1,9 @@
 """Where a partition's sub-chunks lie: in its inputs, in its output and in ``block_info``.
 
-Pure functions of the partition's arrays and its :class:`~dask_overlap.partition.PartitionSpec`:
-no backend, no threads. The runner asks them once per partition (:func:`layout`) and
-once per sub-chunk (:meth:`Layout.inputs`, :meth:`Layout.out_slice`,
-:meth:`Layout.block_info`).
+Pure functions of the partition's arrays and its
+:class:`~dask_overlap.pipeline.partition.PartitionSpec`: no backend, no threads. The runner
+asks them once per partition (:func:`layout`) and once per sub-chunk
+(:meth:`Layout.inputs`, :meth:`Layout.out_slice`, :meth:`Layout.block_info`).
 """
 
 from __future__ import annotations

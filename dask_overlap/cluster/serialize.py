@@ -58,11 +58,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-from .config import Options
-from .process import Registry
+from ..config import Options
+from ..process import Registry
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from ..pipeline.runtime import Runtime
 
 __all__ = ["CupyArrays", "DeviceArrays", "PinnedSerializer", "register", "unregister"]
 
@@ -328,9 +328,9 @@ def register(
     Examples
     --------
     >>> import dask_overlap
-    >>> from dask_overlap.serialize import register
+    >>> from dask_overlap.cluster.serialize import register
     >>> register(dask_overlap.get_runtime("cuda"))  # doctest: +SKIP
-    <dask_overlap.serialize.PinnedSerializer object at 0x...>
+    <dask_overlap.cluster.serialize.PinnedSerializer object at 0x...>
     """
     if arrays is None:
         try:
@@ -371,7 +371,7 @@ def unregister(array_type: type | None = None) -> None:
 
     Examples
     --------
-    >>> from dask_overlap.serialize import unregister
+    >>> from dask_overlap.cluster.serialize import unregister
     >>> unregister()  # distributed's own CuPy serializers again
     """
     if array_type is None:

@@ -1,7 +1,8 @@
 """The worker plugin: each distributed worker's runtime, built in ``setup``, closed in ``teardown``.
 
-A partition task finds its worker's runtime through :func:`worker_runtime` (called by
-:func:`~dask_overlap.get_runtime`, in :mod:`dask_overlap.current`), so every partition a
+A partition task finds its worker's runtime through :func:`worker_runtime`, which the
+plugin hands :func:`~dask_overlap.get_runtime` in ``setup``
+(:func:`dask_overlap.pipeline.current.serve_worker_runtimes`), so every partition a
 worker runs shares that worker's streams and pools, and the pools' bounds hold for the
 whole worker. Where there is no distributed worker (the threaded scheduler) tasks use the
 per-process runtime instead.
@@ -17,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 from distributed import WorkerPlugin
 from distributed.worker import get_worker
 
-from .config import Options
-from .metrics.worker import install_worker_metrics, uninstall_worker_metrics
-from .process import Registry
-from .runtime import Runtime
+from ..config import Options
+from ..metrics.worker import install_worker_metrics, uninstall_worker_metrics
+from ..pipeline.current import serve_worker_runtimes
+from ..pipeline.runtime import Runtime
+from ..process import Registry
 from .ucx import device_memory_resource
 
 if TYPE_CHECKING:
@@ -138,6 +140,7 @@ class OverlapPlugin(WorkerPlugin):
         if resource != options.device_memory_resource:
             options = dataclasses.replace(options, device_memory_resource=resource)
         rt = await asyncio.to_thread(Runtime, options)
+        serve_worker_runtimes(worker_runtime)
         with _live.lock:
             old = _live.items.pop(worker.address, None)
             _live.items[worker.address] = rt

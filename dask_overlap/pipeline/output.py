@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends.base import Backend
+from ..backends.base import Backend
 from .layout import Layout
 from .results import check_declared, check_like_first
 

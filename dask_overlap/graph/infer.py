@@ -2,7 +2,8 @@
 
 - Inputs: array subclasses whose meaning lives beside the data (a masked array's mask,
   ``np.matrix``'s shapes) would be lost by the copies to the device, so they are refused
-  with a ``TypeError`` that names the argument.
+  with a ``TypeError`` that names the argument (the rule is the worker's,
+  :func:`dask_overlap.pipeline.results.refusal`, which refuses such a block at run time).
 - The output's dtype, when not given: Dask calls ``func`` on tiny NumPy blocks. A ``func``
   written for the GPU may only accept CuPy arrays (any ``cupyx.scipy`` call), so where the
   backend resolves to ``cuda`` in this process a failed NumPy attempt is retried on CuPy
@@ -19,20 +20,9 @@ import dask.array as da
 import numpy as np
 from dask.utils import funcname
 
+from ..pipeline.results import refusal
+
 __all__ = ["infer_dtype", "refuse_subclasses"]
-
-
-def _refused(x: Any) -> str | None:
-    """What is wrong with ``x`` (a meta or a block) as an input, if anything."""
-    if isinstance(x, np.ma.MaskedArray):
-        return (
-            "a masked array: dask_overlap copies only data, so its mask would be lost; fill "
-            "it first (x.filled(...)), or pass da.ma.getdata(x) and da.ma.getmaskarray(x) as "
-            "two inputs, or use dask.array.map_blocks"
-        )
-    if isinstance(x, np.matrix):
-        return "an np.matrix, whose shapes are not an ndarray's: pass np.asarray blocks"
-    return None
 
 
 def refuse_subclasses(arrays: Sequence[Any], positions: Sequence[int]) -> None:
@@ -47,16 +37,9 @@ def refuse_subclasses(arrays: Sequence[Any], positions: Sequence[int]) -> None:
     TypeError: arrays[0] is a masked array: dask_overlap copies only data, ...
     """
     for i in positions:
-        why = _refused(getattr(arrays[i], "_meta", None))
+        why = refusal(getattr(arrays[i], "_meta", None))
         if why is not None:
             raise TypeError(f"arrays[{i}] is {why}")
-
-
-def refuse_block(x: Any, where: str) -> None:
-    """The same refusal for one block at run time (a meta can say less than its blocks)."""
-    why = _refused(x)
-    if why is not None:
-        raise TypeError(f"{where} got a block that is {why}")
 
 
 def _ones(a: da.Array, xp: Any) -> Any:

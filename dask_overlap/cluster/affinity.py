@@ -14,7 +14,7 @@ on, so an affinity is never widened: a worker started under ``taskset`` or in a 
 job's cgroup keeps to its share, and an empty intersection leaves it alone.
 
 Order matters: ``staging-threads: auto`` counts the process's cores when the worker's
-runtime is built (:func:`dask_overlap.copies.auto_threads`), so the affinity must be set
+runtime is built (:func:`dask_overlap.pipeline.copies.auto_threads`), so the affinity must be set
 before :class:`~dask_overlap.OverlapPlugin` sets up. Both callers give
 :class:`CPUAffinity` to the worker when it starts, listed first: a worker sets up the
 plugins it starts with before it registers with the scheduler (where LocalGPUCluster's
@@ -242,7 +242,7 @@ class CPUAffinity(WorkerPlugin):
     Examples
     --------
     >>> from distributed import LocalCluster
-    >>> from dask_overlap.affinity import CPUAffinity, gpu_cores
+    >>> from dask_overlap.cluster.affinity import CPUAffinity, gpu_cores
     >>> cluster = LocalCluster(plugins=[CPUAffinity(gpu_cores(0))])  # doctest: +SKIP
     """
 

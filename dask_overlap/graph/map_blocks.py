@@ -25,14 +25,14 @@ from dask.blockwise import Blockwise
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.utils import funcname, has_keyword
 
+from ..backends import resolve_backend
+from ..config import Options
+from ..pipeline.current import get_runtime
+from ..pipeline.layout import AUTO_MIN_BYTES, along
+from ..pipeline.partition import OUT_MODES, PartitionSpec, run_partition
+from ..pipeline.pieces import gather
 from .aliases import alias_targets, layer_of, skip_aliases
-from .backends import resolve_backend
-from .config import Options
-from .current import get_runtime
 from .infer import infer_dtype, refuse_subclasses
-from .layout import AUTO_MIN_BYTES, along
-from .partition import OUT_MODES, PartitionSpec, run_partition
-from .pieces import gather
 
 __all__ = ["map_blocks"]
 
@@ -207,7 +207,7 @@ def _guard_gpu_kernels() -> None:
     imported, so CPU-only use never imports it."""
     if "cupy" not in sys.modules:
         return
-    from .backends.kernel_pickling import guard_kernel_pickling
+    from ..backends.kernel_pickling import guard_kernel_pickling
 
     guard_kernel_pickling()
 

@@ -8,7 +8,7 @@ It is created on first use (nothing touches a GPU before a task runs) and closed
 
 This module knows neither the partition runner nor the worker plugin: they use it.
 :func:`process_runtime` is the per-process runtime of a backend; which runtime serves a
-task (a worker plugin's, or this one) is :mod:`dask_overlap.current`'s question.
+task (a worker plugin's, or this one) is :mod:`dask_overlap.pipeline.current`'s question.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any, NamedTuple
 
 import dask.config
 
-from .backends import Backend, Stream, make_backend, resolve_backend
-from .config import Options
+from ..backends import Backend, Stream, make_backend, resolve_backend
+from ..config import Options
+from ..process import Registry
 from .copies import Copier, auto_threads
-from .process import Registry
 from .sampling import StageSampler
 from .stats import Counters
 

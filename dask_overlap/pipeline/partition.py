@@ -14,7 +14,7 @@ default (``out="host"``). ``out="pinned"`` keeps the result in the pool instead 
 counted); ``out="device"`` keeps it on the device.
 
 Ownership: every buffer of a sub-chunk (ring blocks, device inputs, the device result)
-is held by its :class:`~dask_overlap.subchunks.SubChunk` until the copy that reads it has
+is held by its :class:`~dask_overlap.pipeline.subchunks.SubChunk` until the copy that reads it has
 *completed*: inputs and device buffers until the D2H's completion, the ring's copy of
 the result until it is unstaged. After a failure nothing is dropped before every stream
 this partition used has completed, so no asynchronous copy can outlive its buffer.
@@ -32,14 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Stream
+from ..backends import Stream
 from .engine import Action, Done, Failed, Pipeline, Stage
-from .infer import refuse_block
 from .layout import Layout, auto_sub_chunk_bytes, layout, whole
-from .metrics import TaskMeter, nvtx_range
+from .meter import TaskMeter
+from .nvtx import nvtx_range
 from .output import PartitionOutput
 from .pieces import Pieces, PinnedBlocks, join
-from .results import check_split_extent, not_an_array, partition_name
+from .results import check_split_extent, not_an_array, partition_name, refuse_block
 from .runtime import Runtime
 from .subchunks import Admission, SubChunk
 

@@ -1,37 +1,41 @@
-"""Which runtime serves the calling code: its worker plugin's, else this process's own.
+"""Which runtime serves the calling code: its worker's, else this process's own.
 
 On a distributed worker with an :class:`~dask_overlap.OverlapPlugin`, partition tasks
 share the runtime the plugin built in ``setup``; everywhere else (the threaded or the
 synchronous scheduler, a plain worker) they share this process's own runtime of their
-backend (:func:`dask_overlap.runtime.process_runtime`). This module sits above both, so
-neither the runtime nor the plugin needs to know the other.
+backend (:func:`dask_overlap.pipeline.runtime.process_runtime`).
+
+The pipeline knows nothing of distributed's workers: the plugin hands this module its
+lookup (:func:`serve_worker_runtimes`) when it sets a worker up, so where no plugin ever
+ran a partition task asks nothing more than this process's own runtimes.
 """
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 from typing import Any
 
-from .backends import resolve_backend
-from .config import Options
+from ..backends import resolve_backend
+from ..config import Options
 from .runtime import Runtime, idle_stats, process_runtime, process_runtimes
 
-__all__ = ["get_runtime", "runtime_stats"]
+__all__ = ["get_runtime", "runtime_stats", "serve_worker_runtimes"]
 
-_PLUGIN_MODULE = f"{__package__}.plugin"
+#: The plugin's lookup of the current worker's runtime for a backend (``None`` where it has
+#: none to offer), once a plugin has set a worker up in this process.
+WorkerLookup = Callable[[str | None], Runtime | None]
+_worker_lookup: WorkerLookup | None = None
+
+
+def serve_worker_runtimes(lookup: WorkerLookup) -> None:
+    """Ask ``lookup`` first for the runtime of a task (the worker plugin's, from its setup)."""
+    global _worker_lookup
+    _worker_lookup = lookup
 
 
 def _plugin_runtime(backend: str | None) -> Runtime | None:
-    # A plugin's runtime exists only where the plugin module was imported (a worker
-    # unpickles the plugin, which imports it), so without it there is nothing to ask.
-    # Not whether distributed is imported: Dask itself imports it on a first compute,
-    # after which asking the plugin module costs every partition task a get_worker()
-    # that raises (about 5 us per task, measured on the synchronous scheduler).
-    if _PLUGIN_MODULE not in sys.modules:
-        return None
-    from .plugin import worker_runtime
-
-    return worker_runtime(backend)
+    lookup = _worker_lookup
+    return None if lookup is None else lookup(backend)
 
 
 def get_runtime(backend: str | None = None) -> Runtime:

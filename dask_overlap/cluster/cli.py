@@ -3,7 +3,7 @@
 ``dask overlap worker SCHEDULER_ADDRESS`` starts one worker process per local GPU, each
 with an :class:`~dask_overlap.OverlapPlugin` and, with ``overlap.cpu-affinity``, kept to
 its GPU's cores, talking over ``--protocol`` (or the scheme of the scheduler's address,
-e.g. ``ucxx://``; see :mod:`dask_overlap.ucx`); ``dask overlap demo`` runs the demo.
+e.g. ``ucxx://``; see :mod:`dask_overlap.cluster.ucx`); ``dask overlap demo`` runs the demo.
 The flags for runtime options are made from the options' schema, so each option is
 defined and documented once, in ``overlap.yaml`` and ``overlap.schema.json``.
 """
@@ -26,10 +26,10 @@ import dask.config
 from distributed import Nanny
 from distributed.worker_memory import parse_memory_limit
 
-from . import __version__
-from .cluster import THREADS_PER_WORKER, WorkerLayout, plan_workers
-from .config import Options
-from .dashboard import register_with_scheduler
+from .. import __version__
+from ..config import Options
+from ..dashboard import register_with_scheduler
+from .local import THREADS_PER_WORKER, WorkerLayout, plan_workers
 from .plugin import OverlapPlugin, resolve_options
 from .ucx import check_protocol, is_ucx, protocols, require_ucx, scheme_of
 
@@ -41,7 +41,7 @@ _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 def _schema() -> dict[str, Any]:
-    with open(os.path.join(os.path.dirname(__file__), "overlap.schema.json")) as f:
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "overlap.schema.json")) as f:
         return json.load(f)["properties"]["overlap"]["properties"]
 
 
@@ -279,7 +279,7 @@ async def _serve(
             name=None if name is None else f"{name}-{i}",
             env=layout.env(i),
             # The CPU affinity first: it must be set before the runtime is built (see
-            # dask_overlap.affinity).
+            # dask_overlap.cluster.affinity).
             plugins=(*layout.plugins(i), plugin),
             **common,
         )
@@ -341,9 +341,9 @@ async def _wait_for_signal() -> int:
 def demo(args: tuple[str, ...]) -> None:
     """Run the demo; every argument, --help included, goes to the demo's own parser."""
     try:
-        from .demo import main as demo_main
+        from ..demo import main as demo_main
     except ModuleNotFoundError as e:
-        if e.name != f"{__package__}.demo":
+        if e.name != "dask_overlap.demo":
             raise
         raise click.ClickException("this installation of dask_overlap has no demo") from None
     sys.exit(demo_main(list(args)))

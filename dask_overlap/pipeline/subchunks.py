@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backends.base import Backend
+from ..backends.base import Backend
 from .engine import Stage
 from .layout import Layout
 from .pieces import PinnedBlocks

@@ -2,10 +2,10 @@
 
 Each worker is its own process with its own ``CUDA_VISIBLE_DEVICES``, rotated so that
 worker *i* sees GPU *i* first (as dask-cuda does), kept to the cores near its GPU
-(:class:`~dask_overlap.affinity.CPUAffinity`, when ``overlap.cpu-affinity``), and carries
+(:class:`~dask_overlap.cluster.affinity.CPUAffinity`, when ``overlap.cpu-affinity``), and carries
 an :class:`~dask_overlap.OverlapPlugin` that builds its runtime. Workers talk over
 ``protocol`` (``tcp`` by default; ``ucxx`` for UCX, with the transports
-:mod:`dask_overlap.ucx` sets).
+:mod:`dask_overlap.cluster.ucx` sets).
 
 GPUs are counted without initialising CUDA in this process: from ``CUDA_VISIBLE_DEVICES``
 when set, else through NVML (``nvidia-ml-py``, as distributed's GPU diagnostics and
@@ -31,9 +31,9 @@ from distributed import LocalCluster, WorkerPlugin
 from distributed.protocol.pickle import dumps
 from distributed.worker_memory import parse_memory_limit
 
+from ..config import Options, check_positive_int
+from ..dashboard import OverlapSchedulerPlugin
 from .affinity import CPUAffinity, gpu_cores, nvml
-from .config import Options, check_positive_int
-from .dashboard import OverlapSchedulerPlugin
 from .plugin import OverlapPlugin, resolve_options
 from .ucx import UCXSettings, check_protocol, is_ucx, require_ucx, scheme_of, ucx_settings
 
@@ -170,7 +170,7 @@ class WorkerLayout:
 
     def env(self, i: int) -> dict[str, str]:
         """Environment of worker ``i``: its GPU first, then the others in turn; with UCX,
-        its transports (``UCX_TLS``, see :mod:`dask_overlap.ucx`).
+        its transports (``UCX_TLS``, see :mod:`dask_overlap.cluster.ucx`).
 
         Workers beyond the number of GPUs share them in turn (``i`` modulo the count).
 
@@ -203,7 +203,7 @@ class WorkerLayout:
     def plugins(self, i: int) -> list[WorkerPlugin]:
         """Plugins worker ``i`` starts with, to set up before its runtime is built.
 
-        :class:`~dask_overlap.affinity.CPUAffinity` to the cores near its GPU when
+        :class:`~dask_overlap.cluster.affinity.CPUAffinity` to the cores near its GPU when
         ``options.cpu_affinity`` is on and NVML knows them; none on the CPU path, with
         the option off, or without NVML (the affinity is then left as it is).
 
@@ -246,7 +246,7 @@ def plan_workers(
         Options of the workers' plugin. With GPUs, ``backend="auto"`` becomes ``"cuda"``;
         on the CPU path it becomes ``"host"``.
     protocol
-        What the workers talk over (see :mod:`dask_overlap.ucx`), checked first: a
+        What the workers talk over (see :mod:`dask_overlap.cluster.ucx`), checked first: a
         protocol no worker process can use raises ValueError, and UCX without
         ``distributed-ucxx`` an ImportError that says what to install.
 
@@ -297,7 +297,7 @@ class LocalGPUCluster(LocalCluster):
 
     Worker *i* sees GPU *i* first in its ``CUDA_VISIBLE_DEVICES``, keeps to the cores near
     it (``overlap.cpu-affinity``, ``cpu_affinity=False`` to leave the affinity alone; see
-    :mod:`dask_overlap.affinity`) and runs
+    :mod:`dask_overlap.cluster.affinity`) and runs
     ``threads_per_worker`` partitions at once, all sharing its runtime (built by an
     :class:`~dask_overlap.OverlapPlugin` registered with the scheduler, so workers added
     later by ``scale`` get it too, and ``client.unregister_worker_plugin`` removes it).
@@ -323,7 +323,7 @@ class LocalGPUCluster(LocalCluster):
         What the scheduler, the workers and clients talk over: ``"tcp"`` (distributed's
         default), ``"ucxx"`` (or ``"ucx"``) for UCX, which needs the ``ucx-cuda13`` or
         ``ucx-cuda12`` extra (``distributed-ucxx``) and sets UCX's transports as
-        :mod:`dask_overlap.ucx` says, or ``"tls"``, ``"ws"``, ``"wss"``. Checked before
+        :mod:`dask_overlap.cluster.ucx` says, or ``"tls"``, ``"ws"``, ``"wss"``. Checked before
         anything starts.
     **kwargs
         Option overrides (the fields of :class:`~dask_overlap.Options`, e.g.
@@ -409,6 +409,6 @@ class LocalGPUCluster(LocalCluster):
         options["config"] = {**(options.get("config") or {}), **self.layout.worker_config()}
         # Plugins a worker starts with are set up before it registers, and so before the
         # OverlapPlugin the scheduler hands it: the CPU affinity is set when the runtime
-        # counts its cores (see dask_overlap.affinity).
+        # counts its cores (see dask_overlap.cluster.affinity).
         options["plugins"] = [*self.layout.plugins(i), *(options.get("plugins") or ())]
         return {i: {"cls": self.new_spec["cls"], "options": options}}
