@@ -64,8 +64,8 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _bytes_or_auto(name: str, value: Any) -> int | str:
-    return "auto" if value == "auto" else check_bytes(name, value)
+def _bytes_or_auto(name: str, value: Any, *, allow_zero: bool = False) -> int | str:
+    return "auto" if value == "auto" else check_bytes(name, value, allow_zero=allow_zero)
 
 
 def _check_threads(name: str, value: Any) -> int | str:
@@ -138,13 +138,11 @@ class Options:
     streams: int
     staging_threads: int | str  # or "auto": see copies.auto_threads
     pinned_pool_size: int
-    direct_bytes: int  # sub-chunks that move at most this much skip the ring
+    direct_bytes: int | str  # or "auto": see pipeline.subchunks.resolve_direct_bytes
     device_pool_size: int
     device_memory_resource: str
-    cpu_affinity: bool  # GPU workers keep to their GPU's cores: see dask_overlap.cluster.affinity
-    pinned_serialize: (
-        bool  # CuPy over TCP through the pinned pool: see dask_overlap.cluster.serialize
-    )
+    cpu_affinity: bool  # GPU workers keep to their GPU's cores: see cluster.affinity
+    pinned_serialize: bool  # CuPy over TCP through the pinned pool: see cluster.serialize
     timed: TimedModel
 
     @classmethod
@@ -183,7 +181,7 @@ class Options:
             pinned_pool_size=check_bytes(
                 "pinned_pool_size", get("pinned_pool_size"), allow_zero=True
             ),
-            direct_bytes=check_bytes("direct_bytes", get("direct_bytes"), allow_zero=True),
+            direct_bytes=_bytes_or_auto("direct_bytes", get("direct_bytes"), allow_zero=True),
             device_pool_size=check_bytes("device_pool_size", get("device_pool_size")),
             device_memory_resource=_check_choice(
                 "device_memory_resource", get("device_memory_resource"), DEVICE_MEMORY_RESOURCES

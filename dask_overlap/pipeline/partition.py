@@ -173,7 +173,7 @@ class _PartitionRun:
         self.lay = lay
         self.admission = admission = Admission(
             backend,
-            rt.options.direct_bytes,
+            rt.direct_bytes,
             lay,
             args,
             spec.out,

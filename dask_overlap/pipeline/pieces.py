@@ -161,7 +161,10 @@ def join(rt: Runtime, p: Pieces, where: str) -> tuple[Any, int]:
     shape = list(blocks[0].shape)
     shape[axis] = sum(b.shape[axis] for b in blocks)
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = backend.pinned.allocate(nbytes) if nbytes else None
+    # Into the pinned pool, where pinned memory is what the copy to the device wants; on a
+    # backend whose device memory is host memory, into ordinary memory.
+    pooled = nbytes and not backend.host_memory
+    raw = backend.pinned.allocate(nbytes) if pooled else None
     out = raw.view(dtype).reshape(shape) if raw is not None else np.empty(shape, dtype)
     copies = []
     start = 0

@@ -31,6 +31,7 @@ from ..process import Registry
 from .copies import Copier, auto_threads
 from .sampling import StageSampler
 from .stats import Counters
+from .subchunks import resolve_direct_bytes
 
 __all__ = ["Runtime", "Span", "close_runtimes", "idle_stats", "process_runtime", "process_runtimes"]
 
@@ -79,6 +80,9 @@ class Runtime:
         self.copy_threads = auto_threads() if threads == "auto" else int(threads)
         self.copies = Copier(self.copy_threads, f"overlap-{self.name}-copy")
         self.counters = Counters()
+        # overlap.direct-bytes as this backend applies it (see resolve_direct_bytes)
+        host_memory = self.backend.host_memory
+        self.direct_bytes = resolve_direct_bytes(self.options.direct_bytes, host_memory)
         # Sub-chunks currently holding each stream: a stream is in-order, so a sub-chunk
         # queued behind another's copy waits even when its own engine is idle. Leasing the
         # least-loaded stream keeps that head-of-line blocking to when every stream is busy.

@@ -16,7 +16,31 @@ from .engine import Stage
 from .layout import Layout
 from .pieces import PinnedBlocks
 
-__all__ = ["Admission", "SubChunk"]
+__all__ = ["DIRECT_BYTES_AUTO", "Admission", "SubChunk", "resolve_direct_bytes"]
+
+#: ``direct-bytes: auto`` where the device has memory of its own.
+DIRECT_BYTES_AUTO = 1 << 20
+#: ``direct-bytes: auto`` where the device's memory is host memory: every sub-chunk.
+EVERY_SUB_CHUNK = -1
+
+
+def resolve_direct_bytes(direct_bytes: int | str, host_memory: bool) -> int:
+    """The ``direct-bytes`` a runtime applies: a number of bytes, or
+    :data:`EVERY_SUB_CHUNK` (``auto`` on a backend whose device memory is host memory,
+    where the ring's copies would serve no device).
+
+    Examples
+    --------
+    >>> resolve_direct_bytes("auto", host_memory=False) == DIRECT_BYTES_AUTO
+    True
+    >>> resolve_direct_bytes("auto", host_memory=True) == EVERY_SUB_CHUNK
+    True
+    >>> resolve_direct_bytes(0, host_memory=True)
+    0
+    """
+    if direct_bytes != "auto":
+        return int(direct_bytes)
+    return EVERY_SUB_CHUNK if host_memory else DIRECT_BYTES_AUTO
 
 
 class SubChunk:
@@ -68,8 +92,9 @@ class Admission:
     backend
         The runtime's backend (its pinned pool is the ring).
     direct_bytes
-        ``overlap.direct-bytes``: a sub-chunk moving at most this much, in and out, skips
-        the ring.
+        ``overlap.direct-bytes`` as the runtime resolved it: a sub-chunk moving at most
+        this much, in and out, skips the ring; every one does with
+        :data:`EVERY_SUB_CHUNK`.
     lay, args
         The partition's layout and its arguments (blocks already plain arrays).
     out, out_shape, out_dtype
@@ -141,6 +166,8 @@ class Admission:
         """Whether sub-chunk ``i``, with ``h2d`` bytes in, is small enough to skip the ring
         (the ``direct-bytes`` option: so small a copy costs less than staging it would); an
         output of unknown size counts as large."""
+        if self.direct_bytes == EVERY_SUB_CHUNK:
+            return True
         if h2d > self.direct_bytes:
             return False
         if self.out == "device":
