@@ -13,7 +13,8 @@ import pytest
 from support import task_prefixes
 
 import dask_overlap
-from dask_overlap.graph.aliases import alias_targets, skip_aliases
+import dask_overlap.graph.rewrite
+from dask_overlap.graph.rewrite import alias_targets, skip_aliases
 
 
 def add(a: Any, b: Any) -> Any:
@@ -84,7 +85,7 @@ def test_annotations_and_the_partition_task_survive_the_rewrite(x):
     layer = y.dask.layers[y.name]
     assert layer.annotations == {
         "retries": 3,
-        dask_overlap.graph.map_blocks.PARTITION_ANNOTATION: y.name,
+        dask_overlap.graph.rewrite.PARTITION_ANNOTATION: y.name,
     }
     plain = dask_overlap.map_blocks(add, x, x, split_axis=0, batch=1, dtype=x.dtype)
     kinds = {type(t) for t in dict(layer).values()}

@@ -18,7 +18,7 @@ from support import (
 )
 
 import dask_overlap
-import dask_overlap.graph.map_blocks
+import dask_overlap.graph.batch
 
 
 def grid(rows: int = 120, cols: int = 8) -> np.ndarray:
@@ -29,10 +29,10 @@ def grid(rows: int = 120, cols: int = 8) -> np.ndarray:
 def batch_bytes(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Sets the size "auto" joins blocks up to (64 MiB; tests use blocks of a few KiB), and
     lets it join down to one partition (it keeps 8 of a small array's)."""
-    monkeypatch.setattr(dask_overlap.graph.map_blocks, "AUTO_MIN_PARTITIONS", 1)
+    monkeypatch.setattr(dask_overlap.graph.batch, "AUTO_MIN_PARTITIONS", 1)
 
     def set_to(nbytes: int) -> None:
-        monkeypatch.setattr(dask_overlap.graph.map_blocks, "AUTO_MIN_BYTES", nbytes)
+        monkeypatch.setattr(dask_overlap.graph.batch, "AUTO_MIN_BYTES", nbytes)
 
     return set_to
 

@@ -546,9 +546,9 @@ def test_small_blocks_are_batched_by_default_and_cut_back(
     the output is cut back into 64 blocks, views of their partition's result."""
     import cupyx
 
-    import dask_overlap.graph.map_blocks
+    import dask_overlap.graph.batch
 
-    monkeypatch.setattr(dask_overlap.graph.map_blocks, "AUTO_MIN_BYTES", 8 * 64 * 320 * 4)
+    monkeypatch.setattr(dask_overlap.graph.batch, "AUTO_MIN_BYTES", 8 * 64 * 320 * 4)
     a = np.random.default_rng(8).standard_normal((64 * 64, 320)).astype(np.float32)
     host = cupyx.empty_pinned(a.shape, a.dtype)
     host[...] = a

@@ -19,6 +19,7 @@ import pytest
 from support import wait_until_idle
 
 import dask_overlap
+import dask_overlap.graph.rewrite
 from dask_overlap.pipeline.engine import Pipeline
 from dask_overlap.pipeline.runtime import Span
 
@@ -417,9 +418,7 @@ def test_partition_tasks_are_not_fused_with_blockwise_neighbours(build, stages):
 
     got = build(x, ours)
     dsk = _optimized(got)
-    partitions = [
-        t for t in dsk.values() if isinstance(t, dask_overlap.graph.map_blocks._UnfusedTask)
-    ]
+    partitions = [t for t in dsk.values() if isinstance(t, dask_overlap.graph.rewrite._UnfusedTask)]
     assert len(partitions) == stages * x.numblocks[0]
     assert not any(t.has_subgraph() for t in partitions)
     assert any(t.has_subgraph() for t in _optimized(build(x, plain)).values())
@@ -431,4 +430,4 @@ def test_a_users_annotations_stay_beside_the_one_that_keeps_partitions_apart():
     with dask.annotate(retries=2):
         y = dask_overlap.map_blocks(np.negative, x, split_axis=0, batch=1)
     annotations = y.dask.layers[y.name].annotations
-    assert annotations == {"retries": 2, dask_overlap.graph.map_blocks.PARTITION_ANNOTATION: y.name}
+    assert annotations == {"retries": 2, dask_overlap.graph.rewrite.PARTITION_ANNOTATION: y.name}

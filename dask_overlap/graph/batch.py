@@ -1,0 +1,164 @@
+"""Batches: small blocks joined into partitions (``batch=k`` and ``batch="auto"``).
+
+Every partition costs a Dask task and this library's own host time, whatever its size, so
+blocks along ``split_axis`` are gathered ``k`` at a time into one partition task
+(:func:`joined`: one :class:`~dask_overlap.pipeline.pieces.Pieces` per array and
+partition, joined on the worker), and with ``batch="auto"`` the partitions' outputs are
+cut back into the blocks (:func:`unbatched`), so that the array returned has the input's
+chunks. :func:`auto_batch` says how many blocks make a partition.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import dask.array as da
+import numpy as np
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+from ..pipeline.layout import AUTO_MIN_BYTES, along
+from ..pipeline.pieces import gather
+from .checks import as_list
+from .rewrite import alias_targets, layer_of
+
+__all__ = ["AUTO_MIN_PARTITIONS", "CutBack", "auto_batch", "joined", "split_arrays", "unbatched"]
+
+
+def split_arrays(
+    arrays: Sequence[Any], positions: tuple[int, ...], ndim: int, split_axis: int
+) -> list[tuple[int, Any, int]]:
+    """``(position, array, its own axis)`` of each dask array with more than one block
+    along ``split_axis`` (in the inputs' index space): those a batch joins. The others
+    lack the axis or have one block along it, and are broadcast as they are."""
+    found = []
+    for i in positions:
+        x = arrays[i]
+        ax = split_axis - (ndim - x.ndim)
+        if ax >= 0 and x.numblocks[ax] > 1:
+            found.append((i, x, ax))
+    return found
+
+
+#: ``batch="auto"`` leaves at least this many partitions (where there were as many).
+AUTO_MIN_PARTITIONS = 8
+
+
+def auto_batch(
+    asks_which_block: bool,
+    arrays: Sequence[Any],
+    positions: tuple[int, ...],
+    ndim: int,
+    split_axis: int | None,
+    chunks: Any,
+    drop_axis: Any,
+) -> int:
+    """``batch="auto"``: how many blocks along ``split_axis`` make a partition of about
+    ``AUTO_MIN_BYTES`` in, counting the arrays that would be joined (those with more than
+    one block along it); 1 where joining is not sound (no ``split_axis``, ``chunks=``,
+    ``drop_axis``), where ``func`` asks which block it has (``asks_which_block``: it
+    takes ``block_id`` or ``block_info``, and a batch's would not be the output block's),
+    where a block's size is not known, or where blocks are that large.
+
+    The size is the one below which a partition is never cut into sub-chunks, and on the
+    H200 partitions of it ran at 0.77-0.82 of the bound where 4 and 16 MiB ones ran at
+    0.15-0.49 (``benchmarks/small_partitions.py``). It never leaves fewer than
+    ``AUTO_MIN_PARTITIONS`` partitions: a small array's blocks stay spread over the
+    cluster's workers and a worker's threads.
+    """
+    if split_axis is None or chunks is not None or as_list(drop_axis):
+        return 1
+    if asks_which_block:
+        return 1
+    per_block, along_axis, across = 0, 1, 1
+    for _, x, ax in split_arrays(arrays, positions, ndim, split_axis):
+        if any(math.isnan(c) for cs in x.chunks for c in cs):
+            return 1  # an extent Dask does not know yet
+        per_block += math.prod(max(cs) for cs in x.chunks) * x.dtype.itemsize
+        along_axis = max(along_axis, x.numblocks[ax])
+        across = max(across, x.npartitions // x.numblocks[ax])  # partitions beside each
+    if per_block == 0:
+        return 1
+    batches = -(-AUTO_MIN_PARTITIONS // across)  # along the axis, for enough in all
+    return max(1, min(AUTO_MIN_BYTES // per_block, along_axis // batches))
+
+
+class CutBack(MaterializedLayer):
+    """The layer of :func:`unbatched`'s slice tasks, which also says what it cuts: the
+    layer ``batched`` (the partitions' outputs, of ``chunks`` and ``meta``), along ``axis``,
+    ``k`` blocks a batch. A next ``batch="auto"`` stage that joins the same ``k`` blocks
+    along that axis takes ``batched``'s blocks as they are (:func:`joined`): the slices,
+    and the join of them, are then never run. (Plain data: the graph holds the layer, and
+    the layer holds no graph.)"""
+
+    def __init__(self, mapping: dict, batched: str, chunks: tuple, meta: Any, axis: int, k: int):
+        super().__init__(mapping)
+        self.batched, self.chunks, self.meta = batched, chunks, meta
+        self.axis, self.k = axis, k
+
+    def batches(self, graph: HighLevelGraph) -> da.Array:
+        """The batched array, from ``graph`` (a graph that holds this layer holds it)."""
+        return da.Array(
+            graph.cull_layers([self.batched]), self.batched, self.chunks, meta=self.meta
+        )
+
+
+def unbatched(
+    y: da.Array, axis: int, chunks: tuple[int, ...], k: int, name: str | None
+) -> da.Array:
+    """``y``, whose blocks along ``axis`` are batches of ``k`` blocks of extents ``chunks``,
+    cut back into those blocks (named ``name``, if given): one slice task a block, a view
+    of its batch's output. (Dask's ``rechunk`` makes the same cut with a copy a block.)"""
+    name = name or "overlap-unbatch-" + tokenize(y.name, axis, chunks, k)
+    grid = [len(chunks) if d == axis else n for d, n in enumerate(y.numblocks)]
+    offsets = [0] * len(chunks)  # where each block starts in its batch
+    for j in range(len(chunks)):
+        if j % k:
+            offsets[j] = offsets[j - 1] + chunks[j - 1]
+    dsk: dict = {}
+    for idx in np.ndindex(*grid):
+        j = idx[axis]
+        lo = offsets[j]
+        source = (y.name, *idx[:axis], j // k, *idx[axis + 1 :])
+        dsk[(name, *idx)] = (operator.getitem, source, along(axis, lo, lo + chunks[j]))
+    out_chunks = list(y.chunks)
+    out_chunks[axis] = tuple(chunks)
+    layer = CutBack(dsk, y.name, y.chunks, y._meta, axis, k)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[y])
+    return da.Array(graph, name, tuple(out_chunks), meta=y._meta)
+
+
+def joined(arrays: Sequence[Any], positions: tuple[int, ...], ndim: int, axis: int, k: int) -> list:
+    """``arrays`` with every dask array's blocks gathered ``k`` at a time along ``axis``
+    (in the inputs' index space): the partition tasks then get one :class:`Pieces` per
+    array and partition. An array without that axis, or with one block along it, is
+    broadcast as it is."""
+    out = list(arrays)
+    for i, x, ax in split_arrays(arrays, positions, ndim, axis):
+        cut = x.dask.layers.get(x.name)
+        if isinstance(cut, CutBack) and (cut.axis, cut.k) == (ax, k):
+            out[i] = cut.batches(x.dask)  # an auto stage's blocks, batched as they were made
+            continue
+        # A concatenated or reordered x: gather the blocks its aliases stand for.
+        subs = alias_targets(x.dask, [x.name])
+        n = x.numblocks[ax]
+        starts = range(0, n, k)
+        name = "overlap-batch-" + tokenize(x.name, ax, k)
+        grid = [len(starts) if d == ax else nb for d, nb in enumerate(x.numblocks)]
+        dsk: dict = {}
+        for idx in np.ndindex(*grid):
+            first = idx[ax] * k
+            keys = [(x.name, *idx[:ax], j, *idx[ax + 1 :]) for j in range(first, min(first + k, n))]
+            dsk[(name, *idx)] = (gather, ax, *(subs.get(key, key) for key in keys))
+        chunks = list(x.chunks)
+        chunks[ax] = tuple(sum(x.chunks[ax][s : s + k]) for s in starts)
+        deps = {layer_of(t) for t in subs.values()} if subs else {x.name}
+        graph = HighLevelGraph(
+            {**x.dask.layers, name: MaterializedLayer(dsk)},
+            {**x.dask.dependencies, name: deps},
+        ).cull_layers([name])
+        out[i] = da.Array(graph, name, tuple(chunks), meta=x._meta)
+    return out

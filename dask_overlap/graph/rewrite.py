@@ -1,0 +1,236 @@
+"""The one rewrite of a partition layer that Dask built: where Dask's own graph handling
+does not do what a partition layer needs.
+
+``map_blocks`` lets ``dask.array.map_blocks`` build the partition layer (so alignment,
+broadcasting and naming are Dask's), then :func:`partition_layer` makes, from it, the
+layer the graph keeps; the layer Dask built is not changed:
+
+- **the task knows its array**: the partition task in the layer is replaced by one that
+  knows the array's name, chunks and dtype (``PartitionTask.declared``), so that every
+  partition checks what ``func`` returns against what the array declares;
+- **each partition stays its own task** through Dask's two fusions (see
+  :func:`_unfused`);
+- **alias layers are seen through** (:func:`skip_aliases`).
+
+This module is where dask_overlap touches Dask's private task objects
+(``dask._task_spec``): Dask offers no public way to keep a layer out of its fusions, nor
+to tell an alias from a task. Nowhere else in the package does.
+
+**Aliases.** ``da.concatenate``, ``x.blocks[...]`` and other reorderings make a graph
+layer whose every task is an alias: block ``i`` of the new array *is* block ``j`` of
+another. Distributed runs each alias as a task of its own, on the worker that holds its
+target, so a partition that reads a concatenated or reordered array waits a scheduling
+round more (the alias finishes, the scheduler hears of it, then assigns the partition),
+and only then fetches what it needs from another worker. On one H200, stage 2 of
+``benchmarks/bench_cross.py`` (4 GiB of device chunks, all local) took 55 ms through such
+a layer against 33 ms without it; with the layer seen through, 25 ms; and crossing
+workers went from 0.47 of the local stage to 0.60-0.69 (``benchmarks/results/cross-
+worker.json``).
+
+:func:`skip_aliases` rewrites one layer, the partition layer (or the layer that gathers
+blocks for a batch), so that its tasks name the aliases' targets directly: the alias
+layers are then needed by nothing and culled. Only layers made wholly of aliases are
+seen through (chains of them followed), so what is resolved is exactly what Dask would
+have moved unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import dask.array as da
+from dask.blockwise import Blockwise
+from dask.core import iskey
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+try:  # Dask's task objects (2024.12 onwards): private, see the module docstring
+    from dask._task_spec import Alias, GraphNode
+    from dask._task_spec import Task as _DaskTask
+except ImportError:  # pragma: no cover - an older Dask: aliases stay tasks, tasks fusable
+    Alias = GraphNode = _DaskTask = None
+
+__all__ = ["PARTITION_ANNOTATION", "alias_targets", "layer_of", "partition_layer", "skip_aliases"]
+
+
+def layer_of(key: Any) -> str | None:
+    """The layer name a key belongs to in an array graph: ``key[0]`` of a tuple key."""
+    if isinstance(key, tuple) and key and isinstance(key[0], str):
+        return key[0]
+    return key if isinstance(key, str) else None
+
+
+def _target(value: Any) -> Any:
+    """What ``value`` (a task of a materialized layer) would be an alias of, or ``None``."""
+    if Alias is not None and isinstance(value, Alias):
+        return value.target
+    if isinstance(value, tuple) and iskey(value):  # Dask's legacy spelling of an alias
+        return value
+    return None
+
+
+def _aliases_of(layer: Mapping, is_key: Callable[[Any], bool]) -> dict[Any, Any] | None:
+    """``layer``'s keys and their targets, if it is materialized and every task in it is
+    an alias of a key (``is_key``); otherwise ``None``."""
+    if not isinstance(layer, MaterializedLayer):  # a Blockwise layer computes something
+        return None
+    out = {}
+    for key, value in layer.items():
+        target = _target(value)
+        if target is None or target == key or not is_key(target):
+            return None
+        out[key] = target
+    return out or None
+
+
+def alias_targets(graph: HighLevelGraph, names: Iterable[str]) -> dict[Any, Any]:
+    """For each layer in ``names`` made only of aliases, its keys and the keys they stand
+    for, through chains of such layers.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> x = da.ones(4, chunks=2)
+    >>> y = da.concatenate([x.blocks[1], x.blocks[0]])
+    >>> subs = alias_targets(y.dask, [y.name])
+    >>> subs[(y.name, 0)] == (x.name, 1), subs[(y.name, 1)] == (x.name, 0)
+    (True, True)
+    """
+    layers: dict[str, dict[Any, Any] | None] = {}
+    keys: dict[str, Any] = {}
+
+    def is_key(key: Any) -> bool:
+        """Whether ``key`` is a key of the layer named for it (the rule of an array's
+        graph, by which the partition layer's dependencies are then written). A layer's
+        keys are listed once, without building its tasks."""
+        name = layer_of(key)
+        if name not in graph.layers:
+            return False
+        if name not in keys:
+            keys[name] = graph.layers[name].get_output_keys()
+        return key in keys[name]
+
+    def aliases(name: str) -> dict[Any, Any] | None:
+        if name not in layers:
+            layer = graph.layers.get(name)
+            layers[name] = None if layer is None else _aliases_of(layer, is_key)
+        return layers[name]
+
+    out: dict[Any, Any] = {}
+    for name in names:
+        for key, target in (aliases(name) or {}).items():
+            seen = {key}
+            while (further := aliases(layer_of(target) or "")) and target in further:
+                if target in seen:  # pragma: no cover - a cycle is no graph Dask makes
+                    break
+                seen.add(target)
+                target = further[target]
+            out[key] = target
+    return out
+
+
+def skip_aliases(result: da.Array) -> da.Array:
+    """``result`` with the tasks of its own layer depending on what the alias layers
+    among their dependencies stand for; ``result`` itself when there are none.
+
+    The layer becomes a materialized one (its tasks are built here, once, with the keys
+    replaced); its class of task, annotations and keys are kept, and the graph keeps only
+    the layers it still reaches.
+    """
+    if GraphNode is None:  # pragma: no cover - an older Dask
+        return result
+    graph = result.dask
+    name = result.name
+    deps = graph.dependencies.get(name, set())
+    subs = alias_targets(graph, deps)
+    if not subs:
+        return result
+    layer = graph.layers[name]
+    tasks = dict(layer)
+    if not all(isinstance(t, GraphNode) for t in tasks.values()):
+        return result  # pragma: no cover - a layer of legacy tuples: left as Dask made it
+    skipped = {layer_of(k) for k in subs}
+    targets = {layer_of(t) for t in subs.values()}
+    layers = dict(graph.layers)
+    layers[name] = MaterializedLayer(
+        {k: t.substitute(subs) for k, t in tasks.items()}, annotations=layer.annotations
+    )
+    dependencies = dict(graph.dependencies)
+    dependencies[name] = (set(deps) - skipped) | targets
+    # Only the layers the rewritten one still reaches: Dask's own cull can keep an alias
+    # layer nothing needs (it keeps a legacy layer whole when the keys asked of it are as
+    # many as its own, whichever they are).
+    graph = HighLevelGraph(layers, dependencies).cull_layers([name])
+    return da.Array(graph, name, result.chunks, meta=result._meta)
+
+
+if _DaskTask is not None:
+
+    class _UnfusedTask(_DaskTask):
+        """A partition task that Dask's linear fusion leaves alone.
+
+        Dask fuses a one-dependency chain (a ``from_array`` slice, then this partition)
+        into one task that runs the chain as a subgraph, ordering it anew
+        (``dask.order``) on every run: on small partitions that costs more than this
+        library's own per-partition path (``benchmarks/host_overhead.py``), and on a
+        worker it holds the GIL the stream threads need. Distributed's P2P tasks opt
+        out the same way."""
+
+        __slots__ = ()
+
+        @property
+        def block_fusion(self) -> bool:
+            return True
+
+
+#: The annotation that keeps Dask's blockwise fusion off a partition layer (its value is the
+#: layer's name, so that two partition layers differ too).
+PARTITION_ANNOTATION = "overlap_partition"
+
+
+def _unfused(layer: Blockwise, name: str) -> tuple[Any, dict]:
+    """The task template and the annotations that keep every task of the partition layer
+    ``name`` its own task through Dask's two fusions:
+
+    - linear fusion: its task template is an :class:`_UnfusedTask` (``Task.substitute``
+      keeps the class);
+    - blockwise fusion, which merges neighbouring ``Blockwise`` layers (an elementwise
+      ``x * 2`` before the partitions, or one after them, or a reduction's first step)
+      into one task per block, run as a subgraph. It merges two layers only where their
+      annotations allow it, and one of a key of its own (:data:`PARTITION_ANNOTATION`)
+      never does. On the host backend's synchronous path (2,000 partitions of 64 KiB, on
+      a 2-core CPU machine), a partition fused with ``* 1`` after it cost about 740 µs
+      against 340-420 µs as tasks of their own; one fused with ``x * 1`` before it, 625
+      against 440-530. Where it reaches the scheduler (with Dask's low-level fusion
+      off), distributed keeps it and acts on nothing. A user's annotations stay.
+    """
+    t = layer.task
+    annotations = {**(layer.annotations or {}), PARTITION_ANNOTATION: name}
+    if _DaskTask is None or type(t) is not _DaskTask:  # pragma: no cover - another Dask
+        return t, annotations
+    task = _UnfusedTask(t.key, t.func, *t.args, _data_producer=t.data_producer, **t.kwargs)
+    return task, annotations
+
+
+def partition_layer(result: da.Array, task: Any) -> da.Array:
+    """``result`` (what ``dask.array.map_blocks`` built around the partition ``task``) with
+    its layer rewritten as the module docstring says; a new array, with the same name,
+    chunks and meta."""
+    graph, name = result.dask, result.name
+    layer = graph.layers.get(name)
+    if not isinstance(layer, Blockwise) or not any(v is task for v, _ in layer.indices):
+        raise RuntimeError(  # pragma: no cover - a Dask that builds map_blocks otherwise
+            f"dask.array.map_blocks built the partition layer {name!r} as a "
+            f"{type(layer).__name__} that does not hold the partition task as a constant; "
+            "this version of dask_overlap expects a Blockwise layer"
+        )
+    declared = task.declared(name, result.chunks, result.dtype)
+    new = copy.copy(layer)  # Blockwise keeps its state in plain attributes
+    new.indices = tuple((declared if v is task else v, i) for v, i in layer.indices)
+    new.task, new.annotations = _unfused(layer, name)
+    layers = {**graph.layers, name: new}
+    result = da.Array(
+        HighLevelGraph(layers, graph.dependencies), name, result.chunks, meta=result._meta
+    )
+    return skip_aliases(result)  # after: it materializes the tasks made here

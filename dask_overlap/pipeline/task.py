@@ -1,0 +1,156 @@
+"""The partition task: the callable Dask runs for each partition, on a worker.
+
+It is built on the client by ``map_blocks`` (:mod:`dask_overlap.graph`), travels pickled
+with every partition, and runs the partition through the runtime that serves its
+process (:func:`~dask_overlap.pipeline.current.get_runtime`). What it knows of the output
+array (its name, its chunks, its dtype) is given when it is made, so that every partition
+can check what ``func`` returns against what the array declares.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from dask.base import tokenize
+from dask.utils import funcname
+
+from .current import get_runtime
+from .partition import PartitionSpec, run_partition
+
+__all__ = ["PartitionTask", "PartitionTaskWithInfo", "axis_extents", "block_shape"]
+
+# The task travels pickled with every partition, so what it knows of the output's chunks
+# must not grow with their number: a regular axis is three numbers, an irregular one is
+# kept up to this many blocks (past it, its extents go unchecked).
+_MAX_IRREGULAR_BLOCKS = 1024
+
+
+def axis_extents(chunks: tuple[float, ...]) -> tuple | None:
+    """One output axis's chunks, as the task carries them (see :func:`block_shape`)."""
+    known = not any(math.isnan(c) for c in chunks)
+    if known and len(chunks) > 1 and len(set(chunks[:-1])) == 1:
+        return ("regular", int(chunks[0]), int(chunks[-1]), len(chunks))
+    if len(chunks) <= _MAX_IRREGULAR_BLOCKS:
+        return ("each", tuple(chunks))
+    return None
+
+
+def block_shape(axes: tuple[tuple | None, ...], block_id: tuple[int, ...]) -> tuple:
+    """Block ``block_id``'s shape from its axes as the task carries them (see
+    :func:`axis_extents`); ``None`` for an extent not known (Dask's nan, or an irregular
+    axis of too many blocks). One loop: it runs for every partition."""
+    shape = []
+    for axis, i in zip(axes, block_id, strict=True):
+        if axis is None:
+            shape.append(None)
+        elif axis[0] == "regular":
+            shape.append(axis[2] if i == axis[3] - 1 else axis[1])
+        else:
+            c = axis[1][i]
+            shape.append(None if math.isnan(c) else int(c))
+    return tuple(shape)
+
+
+class PartitionTask:
+    """The callable Dask runs for each partition (picklable; tokenized by content)."""
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        *,
+        backend: str,
+        array_positions: tuple[int, ...],
+        ndim: int,
+        split_axis: int | None,
+        out_split_axis: int | None,
+        sub_chunk_bytes: int | str,
+        in_flight: int,
+        func_block_id: bool,
+        func_block_info: bool,
+        out_mode: str = "host",
+    ):
+        self.func = func
+        self.out_mode = out_mode  # one of OUT_MODES: where each output block is left
+        self.backend = backend
+        self.array_positions = array_positions
+        self.ndim = ndim
+        self.split_axis = split_axis
+        self.out_split_axis = out_split_axis
+        self.sub_chunk_bytes = sub_chunk_bytes
+        self.in_flight = in_flight
+        self.func_block_id = func_block_id
+        self.func_block_info = func_block_info
+        # What the output array declares (see declared): the key name is the output's name
+        # (each partition's key starts with it); func's own name stands in until then.
+        self.key_name = funcname(func)
+        self.out_chunks: tuple[tuple | None, ...] | None = None  # per axis: see axis_extents
+        self.out_dtype: np.dtype | None = None
+
+    def declared(
+        self, name: str, chunks: tuple[tuple[float, ...], ...], dtype: Any
+    ) -> PartitionTask:
+        """A copy of this task that knows the array built around it: its ``name`` (each
+        partition's key starts with it), its ``chunks`` and its ``dtype``, against which
+        every partition checks what ``func`` returns. This task is left as it is."""
+        task = copy.copy(self)
+        task.key_name = name
+        task.out_chunks = tuple(axis_extents(c) for c in chunks)
+        task.out_dtype = np.dtype(dtype) if dtype is not None else None
+        return task
+
+    def __dask_tokenize__(self) -> Any:
+        return (
+            type(self).__name__,
+            tokenize(self.func),
+            self.backend,
+            self.array_positions,
+            self.split_axis,
+            self.out_split_axis,
+            self.sub_chunk_bytes,
+            self.in_flight,
+            self.out_mode,
+        )
+
+    def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
+        if self.func_block_id:
+            kwargs = dict(kwargs, block_id=block_id)
+        out_shape = None
+        if self.out_chunks is not None and block_id is not None:
+            out_shape = block_shape(self.out_chunks, block_id)
+        # In the fields' order, not by keyword: twelve keywords cost a dataclass's
+        # __init__ more than the rest of the spec does, and this runs per partition.
+        spec = PartitionSpec(
+            (self.key_name, *(block_id or ())),  # key
+            self.array_positions,
+            self.ndim,
+            self.split_axis,
+            self.out_split_axis,
+            self.sub_chunk_bytes,
+            self.in_flight,
+            block_info,
+            self.key_name,  # func_name
+            out_shape,
+            self.out_dtype,
+            self.out_mode,  # out
+        )
+        return run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
+
+    def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
+        return self._run(args, block_id, None, kwargs)
+
+
+class PartitionTaskWithInfo(PartitionTask):
+    """The same, for a ``func`` that asks for ``block_info`` (Dask then builds it)."""
+
+    def __call__(
+        self,
+        *args: Any,
+        block_id: tuple | None = None,
+        block_info: dict | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        return self._run(args, block_id, block_info, kwargs)
