@@ -15,7 +15,7 @@ from typing import Any
 
 import dask.config
 import yaml
-from dask.utils import parse_bytes
+from dask.utils import parse_bytes, parse_timedelta
 
 __all__ = ["BACKENDS", "Options", "TimedModel", "check_positive_int", "check_bytes"]
 
@@ -74,6 +74,17 @@ def _check_threads(name: str, value: Any) -> int | str:
     if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}")
     return int(value)
+
+
+def _check_seconds(name: str, value: Any) -> float:
+    """A positive duration: seconds, or a string such as ``"10 minutes"``."""
+    try:
+        seconds = parse_timedelta(value, default="seconds")
+    except (ValueError, TypeError, KeyError):
+        seconds = None
+    if isinstance(value, bool) or seconds is None or seconds <= 0:
+        raise ValueError(f"{name} must be a positive duration (e.g. '10 minutes'), got {value!r}")
+    return float(seconds)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -143,6 +154,7 @@ class Options:
     device_memory_resource: str
     cpu_affinity: bool  # GPU workers keep to their GPU's cores: see cluster.affinity
     pinned_serialize: bool  # CuPy over TCP through the pinned pool: see cluster.serialize
+    stall_timeout: float  # seconds without a completion before a partition fails
     timed: TimedModel
 
     @classmethod
@@ -188,5 +200,6 @@ class Options:
             ),
             cpu_affinity=_check_bool("cpu_affinity", get("cpu_affinity")),
             pinned_serialize=_check_bool("pinned_serialize", get("pinned_serialize")),
+            stall_timeout=_check_seconds("stall_timeout", get("stall_timeout")),
             timed=timed,
         )

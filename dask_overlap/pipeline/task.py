@@ -72,9 +72,11 @@ class PartitionTask:
         func_block_id: bool,
         func_block_info: bool,
         out_mode: str = "host",
+        batch: int = 1,
     ):
         self.func = func
         self.out_mode = out_mode  # one of OUT_MODES: where each output block is left
+        self.batch = batch  # blocks along split_axis a partition joins (for errors)
         self.backend = backend
         self.array_positions = array_positions
         self.ndim = ndim
@@ -113,6 +115,7 @@ class PartitionTask:
             self.sub_chunk_bytes,
             self.in_flight,
             self.out_mode,
+            self.batch,
         )
 
     def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
@@ -136,6 +139,7 @@ class PartitionTask:
             out_shape,
             self.out_dtype,
             self.out_mode,  # out
+            self.batch,
         )
         return run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
 
