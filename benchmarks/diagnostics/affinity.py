@@ -7,7 +7,7 @@ is moved to the case's cores, a fresh runtime is built there (its pinned pool al
 and its copy threads counted from the cores, as in a worker whose affinity is set before
 its runtime) and fresh input is made there (its pages first touched on those cores), then:
 
-1. the stage rates (``ceilings.measure_ceilings``): H2D and D2H from and into pinned
+1. the stage rates (``common.measure_ceilings``): H2D and D2H from and into pinned
    memory, both at once, staging (pageable input into the pinned ring) and unstaging
    (the ring into fresh arrays) with the runtime's copy threads;
 2. pageable H2D and D2H (the driver's own staging, a memcpy on the calling core);
@@ -24,7 +24,7 @@ layout (``/sys/devices/system/node``) and the GPU's place in it (NVML and sysfs)
 
 Example (CPU, small: no GPU, so only ``all`` and ``half``)::
 
-    python benchmarks/affinity.py --size 256MiB --partition 32MiB --rounds 1
+    python benchmarks/diagnostics/affinity.py --size 256MiB --partition 32MiB --rounds 1
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import sys
 import time
 from typing import Any
 
-import dask.array as da
 import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
@@ -44,11 +43,18 @@ import dask_overlap
 from dask_overlap.cluster.affinity import nvml_cores, process_cores, restrict, set_process_affinity
 from dask_overlap.cluster.local import visible_gpus
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_default import best_persist, random_data  # noqa: E402
-from bench_overlap import KERNEL_RATIO, array_of_views, same_chunks, write_json  # noqa: E402
-from ceilings import measure_ceilings  # noqa: E402
-from kernels import make_kernel  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import (  # noqa: E402
+    array_of_views,
+    best_persist,
+    make_kernel,
+    measure_ceilings,
+    naive,
+    random_data,
+    same_chunks,
+    warm_up,
+    write_json,
+)
 
 GB = 1e9
 COLS = 1024
@@ -170,9 +176,7 @@ def run_case(
     host = random_data((rows, COLS))
     made = time.perf_counter() - t0
     block = host[:rows_per_part]
-    rates, _, calibrated = measure_ceilings(
-        rt, block, "balanced", KERNEL_RATIO["balanced"], make_kernel
-    )
+    rates, _, calibrated = measure_ceilings(rt, block, "balanced")
     if rt.name == "cuda":
         rates.update(pageable_rates(block))
     iterations = calibrated if iterations is None else iterations
@@ -180,14 +184,9 @@ def run_case(
     x = array_of_views(host, rows_per_part)
     split = dask_overlap.map_blocks(func, x, split_axis=0, dtype=np.float32)
     whole = dask_overlap.map_blocks(func, x, dtype=np.float32)
-    for arr in (split, whole):  # warm-up: compilation, pools, first touch
-        best_persist(arr[: 2 * rows_per_part], 1)
+    warm_up(split, whole)  # compilation, pools, first touch
     if ref is None:
-
-        def naive_block(b: np.ndarray) -> np.ndarray:
-            return rt.backend.naive(func, b)
-
-        _, ref = best_persist(da.map_blocks(naive_block, x, dtype=np.float32), 1)
+        _, ref = best_persist(naive(x, func), 1)
         new_ref = ref
     else:
         new_ref = None

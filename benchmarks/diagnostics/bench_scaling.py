@@ -1,15 +1,16 @@
 """Scaling over workers, one per GPU: weak (data grows with the workers) and strong (fixed).
 
-Runs ``bench_cluster.run_one`` (``dask_overlap.map_blocks`` with ``split_axis=0`` and
-``None`` on a :class:`~dask_overlap.LocalGPUCluster`) for each worker count, and reports
-aggregate GB/s, GB/s per worker and the scaling efficiency (aggregate over N times the
-one-worker figure). On a machine without enough GPUs, ``--backend timed --allow-cpu``
-gives each worker its own modelled GPU engines: that checks the engine and the Dask side
-(scheduler, placement), not PCIe or host memory bandwidth.
+Runs ``bench_cluster.py`` (``dask_overlap.map_blocks`` with ``split_axis=0`` and ``None``
+on a :class:`~dask_overlap.LocalGPUCluster`), in a process of its own, for each worker
+count, with the kernel calibrated by the first run, and reports aggregate GB/s, GB/s per
+worker and the scaling efficiency (aggregate over N times the one-worker figure). On a
+machine without enough GPUs, ``--backend timed --allow-cpu`` gives each worker its own
+modelled GPU engines: that checks the engine and the Dask side (scheduler, placement),
+not PCIe or host memory bandwidth.
 
 Example::
 
-    python benchmarks/bench_scaling.py --workers 1,2 --size 1GiB --json out/scaling.json
+    python benchmarks/diagnostics/bench_scaling.py --workers 1,2 --size 1GiB --json out/scaling.json
 """
 
 from __future__ import annotations
@@ -18,39 +19,62 @@ import argparse
 import os
 import sys
 
-from dask.utils import format_bytes, parse_bytes
+from dask.utils import format_bytes
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_cluster import run_one  # noqa: E402
-from bench_overlap import comma_list, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import (  # noqa: E402
+    BENCHMARKS,
+    add_repeat,
+    byte_count,
+    comma_list,
+    parser,
+    run_script,
+    write_json,
+)
+
+
+def run_cluster(args: argparse.Namespace, workers: int, size: int, iterations: int | None):
+    """``bench_cluster.py`` on ``workers`` workers and ``size`` bytes: its one result."""
+    argv = ["--workers", str(workers), "--threads", str(args.threads), "--size", str(size)]
+    argv += ["--partition", args.partition, "--workload", args.workload]
+    argv += ["--repeat", str(args.repeat)]
+    for flag, value in (
+        ("--sub-chunk", args.sub_chunk),
+        ("--backend", args.backend),
+        ("--cuda-visible-devices", args.cuda_visible_devices),
+        ("--iterations", iterations),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.allow_cpu:
+        argv.append("--allow-cpu")
+    (result,) = run_script(BENCHMARKS / "bench_cluster.py", argv)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--workers", default="1,2", help="worker counts, a comma list")
     p.add_argument("--threads", type=int, default=2, help="threads per worker")
-    p.add_argument("--size", default="1GiB", help="input bytes for one worker")
+    p.add_argument("--size", type=byte_count, default="1GiB", help="input bytes for one worker")
     p.add_argument("--partition", default="64MiB")
     p.add_argument("--sub-chunk", default=None)
     p.add_argument("--backend", default=None)
     p.add_argument("--allow-cpu", action="store_true")
     p.add_argument("--cuda-visible-devices", default=None)
     p.add_argument("--workload", default="balanced")
-    p.add_argument("--repeat", type=int, default=1)
+    add_repeat(p, 1, "of each")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
     counts = comma_list(args.workers, int)
-    base = parse_bytes(args.size)
+    base = args.size
     out: dict = {"weak": [], "strong": []}
-    calib = None
+    iterations = None
     for mode in ("weak", "strong"):
         for n in counts:
-            run = argparse.Namespace(**vars(args))
-            run.workers = n
-            run.size = str(base * n if mode == "weak" else base)
-            r = run_one(run, args.threads, calib)
-            calib = {k: r[k] for k in ("ceilings_gbps", "kernel_seconds", "iterations")}
+            r = run_cluster(args, n, base * n if mode == "weak" else base, iterations)
+            iterations = r["iterations"]
             gbps = r["gbps"]["split_axis=0"]
             out[mode].append(
                 {

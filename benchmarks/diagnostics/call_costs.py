@@ -8,7 +8,7 @@ threads at once. Printed: µs of wall per call per thread, and of the process's 
 call (all threads). A call whose wall grows with the threads while its CPU per call does
 not waits for a lock (the GIL, the driver's, RMM's).
 
-Run on the device: ``python3 benchmarks/call_costs.py [--bytes 16MiB]``.
+Run on the device: ``python3 benchmarks/diagnostics/call_costs.py [--bytes 16MiB]``.
 """
 
 from __future__ import annotations

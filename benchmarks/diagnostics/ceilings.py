@@ -1,165 +1,73 @@
-"""Stage ceilings for the benchmark's bound, measured (or modelled) in the same run.
+"""Stage ceilings on this machine: the rates every benchmark's bound is made of.
 
-``measure_ceilings(rt, block, workload, ratio, make_kernel)`` returns the rates in bytes
-per second (``h2d``, ``d2h``, ``both`` when the two directions were measured together,
-``staging`` for pageable input into the ring, ``fresh`` for results out of it into new
-arrays, both with the copy threads on at least 64 MiB), the kernel's seconds for one
-partition, and the kernel iterations chosen so that the kernel takes ``ratio`` times one
-partition's H2D copy.
+For one partition of float32 data on the chosen backend, prints what
+``common.measure_ceilings`` measures in each benchmark's run (or, on ``timed``, models):
+H2D and D2H between pinned and device memory, both directions at once, staging (pageable
+into pinned) and fresh results (pinned into new arrays) with the runtime's copy threads,
+and the kernel's seconds and iterations for ``--workload``. ``overlap.yaml``'s bandwidth
+defaults come from such figures.
+
+Example::
+
+    python benchmarks/diagnostics/ceilings.py --backend host --partition 32MiB
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import sys
 from typing import Any
 
-import numpy as np
+import dask
 
-__all__ = ["measure_ceilings", "parallel_copy_rate"]
+import dask_overlap
+from dask_overlap.backends import resolve_backend
 
-
-def _best(fn: Callable[[], Any], repeat: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _iterations(one_pass: float, base: float, target: float) -> int:
-    """Iterations of the kernel loop so that ``base + n * one_pass`` is about ``target``."""
-    if target <= base or one_pass <= 0:
-        return 0
-    return max(0, round((target - base) / one_pass))
-
-
-#: Host copy rates are measured on at least this many bytes: the rate of the many copies
-#: a run makes, not one small copy's hand-off latency.
-PROBE_BYTES = 64 << 20
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import (  # noqa: E402
+    COLS,
+    GB,
+    WORKLOADS,
+    add_backend,
+    byte_count,
+    device_name,
+    measure_ceilings,
+    parser,
+    random_data,
+    write_json,
+)
 
 
-def parallel_copy_rate(
-    src: np.ndarray, dst: np.ndarray | None, threads: int, repeat: int = 3
-) -> float:
-    """Bytes per second of ``threads`` threads copying ``src`` into ``dst`` in slices
-    (the best of ``repeat``). ``dst`` ``None``: into a new array each time, whose pages
-    the copy faults in, as it does a partition's fresh result."""
-    parts = np.array_split(np.arange(src.shape[0]), threads)
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as ex:
-        for _ in range(repeat):
-            out = np.empty_like(src) if dst is None else dst
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__)
+    add_backend(p)
+    p.add_argument("--partition", type=byte_count, default="256MiB", help="bytes measured")
+    p.add_argument("--workload", default="balanced", choices=WORKLOADS)
+    p.add_argument("--json", default=None, help="write the result here")
+    args = p.parse_args(argv)
 
-            def copy(idx: np.ndarray, out: np.ndarray = out) -> None:
-                if len(idx):
-                    np.copyto(out[idx[0] : idx[-1] + 1], src[idx[0] : idx[-1] + 1])
-
-            t0 = time.perf_counter()
-            list(ex.map(copy, parts))
-            best = min(best, time.perf_counter() - t0)
-            del out
-    return src.nbytes / best
-
-
-def _host_rates(pinned: np.ndarray, threads: int) -> dict[str, float]:
-    """``staging`` (pageable into the ring) and ``fresh`` (the ring into a new result)
-    rates, on ``pinned``, a ring block of at least :data:`PROBE_BYTES`."""
-    flat = pinned.view(np.uint8)
-    pageable = np.ones_like(flat)
-    return {
-        "staging": parallel_copy_rate(pageable, flat, threads),
-        "fresh": parallel_copy_rate(flat, None, threads),
+    backend = resolve_backend(args.backend)
+    dask.config.set({"overlap.backend": backend})
+    rt = dask_overlap.get_runtime(backend)
+    block = random_data((max(1, args.partition // (4 * COLS)), COLS))
+    ceilings, kernel_s, iterations = measure_ceilings(rt, block, args.workload)
+    result = {
+        "device": device_name(backend),
+        "backend": backend,
+        "partition_bytes": block.nbytes,
+        "copy_threads": rt.copy_threads,
+        "rates_gbps": {k: v / GB for k, v in ceilings.items() if k != "host_cores"},
+        "kernel_seconds": kernel_s,
+        "kernel_iterations": iterations,
     }
+    print(f"{result['device']}, backend={backend}, {block.nbytes} bytes a partition:")
+    for name, gbps in result["rates_gbps"].items():
+        print(f"  {name:<8} {gbps:8.2f} GB/s")
+    print(f"  kernel   {kernel_s * 1e3:8.2f} ms ({iterations} iterations, {args.workload})")
+    write_json(args.json, result)
+    dask_overlap.close_runtimes()
+    return result
 
 
-def _timed(rt: Any, block: np.ndarray, ratio: float) -> tuple[dict, float, int]:
-    m = rt.backend.model
-    ceilings = {
-        "h2d": m.h2d_bandwidth,
-        "d2h": m.d2h_bandwidth,
-        "staging": m.staging_bandwidth * rt.copy_threads,
-    }
-    return ceilings, m.kernel_time(block.nbytes), 0
-
-
-def _host(rt: Any, block: np.ndarray, ratio: float, make_kernel: Callable) -> tuple:
-    dst = np.empty_like(block)
-    copy = block.nbytes / _best(lambda: np.copyto(dst, block))
-    ceilings = {"h2d": copy, "d2h": copy, "host_cores": float(os.cpu_count() or 1)}
-    ceilings.update(_host_rates(np.empty(max(block.nbytes, PROBE_BYTES), np.uint8), 1))
-    base = _best(lambda: make_kernel(0)(block))
-    one = _best(lambda: make_kernel(1)(block)) - base
-    iterations = _iterations(one, base, ratio * block.nbytes / copy)
-    return ceilings, _best(lambda: make_kernel(iterations)(block)), iterations
-
-
-def _cuda(rt: Any, block: np.ndarray, ratio: float, make_kernel: Callable) -> tuple:
-    import cupy as cp
-
-    pool = rt.backend.pinned
-    n = block.nbytes
-    pin_in = pool.allocate(n)
-    pin_out = pool.allocate(n)
-    if pin_in is None or pin_out is None:
-        raise RuntimeError("the pinned pool cannot hold two partitions for the ceilings")
-    pin_in = pin_in.view(block.dtype).reshape(block.shape)
-    pin_out = pin_out.view(block.dtype).reshape(block.shape)
-    pin_in[...] = block
-    dev_a = cp.empty(block.shape, block.dtype)
-    dev_b = cp.empty(block.shape, block.dtype)
-    s1 = cp.cuda.Stream(non_blocking=True)
-    s2 = cp.cuda.Stream(non_blocking=True)
-
-    def timed(fn: Callable[[], None]) -> float:
-        best = float("inf")
-        for _ in range(5):
-            cp.cuda.Device().synchronize()
-            t0 = time.perf_counter()
-            fn()
-            cp.cuda.Device().synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    h2d = n / timed(lambda: dev_a.set(pin_in, stream=s1))
-    d2h = n / timed(lambda: dev_b.get(stream=s2, out=pin_out, blocking=False))
-
-    def both() -> None:
-        dev_a.set(pin_in, stream=s1)
-        dev_b.get(stream=s2, out=pin_out, blocking=False)
-
-    both_rate = 2 * n / timed(both)
-    probe = pool.allocate(max(n, PROBE_BYTES))
-    if probe is None:
-        raise RuntimeError("the pinned pool cannot hold the host copies' probe")
-    host = _host_rates(probe, rt.copy_threads)
-    del probe
-
-    def kernel_seconds(iterations: int) -> float:
-        k = make_kernel(iterations)
-        k(dev_a)  # compile
-        return timed(lambda: k(dev_a))
-
-    # The fused kernel's cost per iteration is small (one multiply-add per element):
-    # probe with enough iterations to rise clear of the memory-bound base time.
-    base = kernel_seconds(0)
-    probe = 1024
-    one = (kernel_seconds(probe) - base) / probe
-    iterations = _iterations(one, base, ratio * n / h2d)
-    ceilings = {"h2d": h2d, "d2h": d2h, "both": both_rate, **host}
-    return ceilings, kernel_seconds(iterations), iterations
-
-
-def measure_ceilings(
-    rt: Any, block: np.ndarray, workload: str, ratio: float, make_kernel: Callable
-) -> tuple[dict, float, int]:
-    """See the module docstring; ``block`` is one partition of the input."""
-    name = rt.backend.name
-    if name == "timed":
-        return _timed(rt, block, ratio)
-    if name == "cuda":
-        return _cuda(rt, block, ratio, make_kernel)
-    return _host(rt, block, ratio, make_kernel)
+if __name__ == "__main__":
+    main()

@@ -12,29 +12,37 @@ input, the tasks of the optimized graph by kind, and whether the result is right
 
 Example (on the GPU machine)::
 
-    python3 benchmarks/chained_stages.py --size 2GiB --block 4MiB --batch 16
+    python3 benchmarks/diagnostics/chained_stages.py --size 2GiB --block 4MiB --batch 16
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 from collections import Counter
 from typing import Any
 
 import dask
 import dask.array as da
 import numpy as np
-from dask.utils import format_bytes, parse_bytes
+from dask.utils import format_bytes
 
 import dask_overlap
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import array_of_views, pinned_copy, write_json  # noqa: E402
-
-COLS = 1024
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import (  # noqa: E402
+    COLS,
+    add_output,
+    add_repeat,
+    array_of_views,
+    best_of,
+    byte_count,
+    device_name,
+    parser,
+    persist_timed,
+    pinned_copy,
+    save,
+)
 
 
 def f(b: Any) -> Any:
@@ -60,27 +68,24 @@ def tasks(arr: da.Array) -> dict[str, int]:
 
 def best_seconds(arr: da.Array, repeat: int, threads: int) -> tuple[float, np.ndarray]:
     """The best seconds of persisting ``arr`` (threaded scheduler), and its last result."""
-    best, done = float("inf"), None
-    for _ in range(repeat):
-        del done  # the last run's blocks go before the next run
-        t0 = time.perf_counter()
-        (done,) = dask.persist(arr, scheduler="threads", num_workers=threads)
-        best = min(best, time.perf_counter() - t0)
+    best, done = best_of(
+        lambda: persist_timed(arr, scheduler="threads", num_workers=threads), repeat
+    )
     return best, done.compute(scheduler="sync")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="2GiB", help="input bytes (float32)")
-    p.add_argument("--block", default="4MiB", help="input block bytes")
+    p = parser(__doc__)
+    p.add_argument("--size", type=byte_count, default="2GiB", help="input bytes (float32)")
+    p.add_argument("--block", type=byte_count, default="4MiB", help="input block bytes")
     p.add_argument("--threads", type=int, default=8, help="Dask threads")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs; best kept")
+    add_repeat(p, 3, "of each chain")
     p.add_argument("--batch", default=None, help="also run batch=K in the first stage, kept joined")
-    p.add_argument("--json", default=None, help="write the results here")
+    add_output(p)
     args = p.parse_args(argv)
     rt = dask_overlap.get_runtime()
-    rows_per_block = max(1, parse_bytes(args.block) // (4 * COLS))
-    rows = max(1, parse_bytes(args.size) // (4 * COLS)) // rows_per_block * rows_per_block
+    rows_per_block = max(1, args.block // (4 * COLS))
+    rows = max(1, args.size // (4 * COLS)) // rows_per_block * rows_per_block
     host = pinned_copy(rt, np.random.default_rng(0).random((rows, COLS), dtype=np.float32))
     x = array_of_views(host, rows_per_block)
     want = g(f(host))
@@ -110,7 +115,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"tasks {r['tasks']}, correct={r['correct']}",
             flush=True,
         )
-    write_json(args.json, results)
+    figures = {k: results[k] for k in ("size_bytes", "block_bytes", "threads")}
+    for batch, r in results["runs"].items():
+        figures[f"batch={batch}"] = {"gbps": r["gbps"], "correct": r["correct"]}
+    save(args, "chained-stages", results, figures, device_name(rt.name))
     return results
 
 

@@ -5,7 +5,7 @@ Two steps, which may run on different machines (the GPU machine need not have a 
 1. ``capture``: run a job on a :class:`~dask_overlap.LocalGPUCluster` (one worker per
    GPU) and save ``/overlap.json?detail=1`` while it runs::
 
-       python benchmarks/dashboard_snapshot.py capture overlap.json
+       python benchmarks/diagnostics/dashboard_snapshot.py capture overlap.json
 
    ``?detail=1`` asks each worker once for every span of its last ten seconds (at most
    the newest 1500); plain ``/overlap.json`` holds what the workers' heartbeats brought
@@ -15,7 +15,7 @@ Two steps, which may run on different machines (the GPU machine need not have a 
 2. ``render``: draw the page from that file as a standalone HTML file (Bokeh inlined) and,
    where Debian's ``chromium`` is installed, a PNG screenshot of it::
 
-       python benchmarks/dashboard_snapshot.py render overlap.json \\
+       python benchmarks/diagnostics/dashboard_snapshot.py render overlap.json \\
            --html benchmarks/results/overlap_dashboard.html \\
            --png benchmarks/results/overlap_dashboard.png
 """

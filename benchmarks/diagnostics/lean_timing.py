@@ -9,7 +9,7 @@ each. A step whose CPU time is close to its wall time while it waits for the GPU
 spinning; on several threads, a step whose wall grows with the threads while its CPU
 does not waits for a lock or the GIL.
 
-Run on the device: ``python3 benchmarks/lean_timing.py [--out pinned] [--threads 4]``.
+Run on the device: ``python3 benchmarks/diagnostics/lean_timing.py [--out pinned] [--threads 4]``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from dask_overlap.backends import cuda
 from dask_overlap.graph import map_blocks as array
 from dask_overlap.pipeline import output, partition
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import array_of_views  # noqa: E402
-from kernels import make_kernel  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import array_of_views, make_kernel  # noqa: E402
 
 WALL: collections.Counter = collections.Counter()
 CPU: collections.Counter = collections.Counter()

@@ -1,9 +1,9 @@
 """Small partitions against the bound: throughput and host time per partition.
 
-Issue 12's GPU benchmark. For each partition size, in one process: the balanced workload
-on pinned input, every other setting at its default (results are ordinary arrays, filled
-through the ring, or straight for sub-chunks under ``direct-bytes``), through
-:func:`bench_overlap.main` (its ceilings, its bound, its check against the naive path).
+Issue 12's GPU benchmark. For each partition size: the balanced workload on pinned
+input, every other setting at its default (results are ordinary arrays, filled through
+the ring, or straight for sub-chunks under ``direct-bytes``), run by ``bench_overlap.py``
+in a process of its own (its ceilings, its bound, its check against the naive path).
 Per size it reports ``overlap_gbps``, ``bound_gbps``, ``overlap_over_bound`` and
 ``host_us_per_partition``: the process's CPU time over the best run (every thread: the
 task threads, the copy threads, the stream waiters), per partition.
@@ -13,41 +13,57 @@ task threads, the copy threads, the stream waiters), per partition.
 Every size runs with ``map_blocks``'s default ``batch="auto"`` (blocks under 64 MiB
 joined into partitions of about 64 MiB, the output cut back into the blocks); ``--batch
 1,4`` runs each size again with ``map_blocks(..., batch=k)`` (1: a partition a block; k:
-k blocks joined per partition, the output's blocks k times larger), in the same process.
+k blocks joined per partition, the output's blocks k times larger), on the same machine.
 ``--profile N`` prints the top N functions of one run at ``--profile-size`` (cProfile,
 on the synchronous scheduler, so that the profiler sees the tasks).
 
 Example (on the GPU machine)::
 
-    python3 benchmarks/small_partitions.py --json benchmarks/results/small-partitions.json
+    python3 benchmarks/diagnostics/small_partitions.py --record
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
-import pstats
 import sys
 
 import dask
 from dask.utils import format_bytes, parse_bytes
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import main as bench  # noqa: E402
-from bench_overlap import write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import (  # noqa: E402
+    BENCHMARKS,
+    add_backend,
+    add_output,
+    device_name,
+    parser,
+    run_script,
+    save,
+)
 
 #: Partition size -> total input bytes (enough partitions to reach a steady state).
 SIZES = {"256MiB": "4GiB", "16MiB": "2GiB", "4MiB": "1GiB", "1MiB": "512MiB", "256KiB": "128MiB"}
 
 
-def case(partition: str, size: str, args: argparse.Namespace, batch: int | str = "auto") -> dict:
+def bench(argv: list[str], env: dict[str, str] | None = None, profile: int = 0) -> dict:
+    """``bench_overlap.py`` with ``argv``, in a process of its own: its result."""
+    return run_script(BENCHMARKS / "bench_overlap.py", argv, env, profile)
+
+
+def case(
+    partition: str,
+    size: str,
+    args: argparse.Namespace,
+    batch: int | str = "auto",
+    env: dict[str, str] | None = None,
+) -> dict:
     argv = [
         "--backend", args.backend, "--workload", "balanced", "--pinned-input",
         "--size", size, "--partition", partition, "--threads", args.threads,
         "--repeat", str(args.repeat), "--out", args.out, "--batch", str(batch),
     ]  # fmt: skip
-    r = bench(argv)
+    r = bench(argv, env)
     return {
         "partition_bytes": r["partition_bytes"],
         "partitions": r["partitions"],
@@ -64,8 +80,8 @@ def case(partition: str, size: str, args: argparse.Namespace, batch: int | str =
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="cuda", choices=["cuda", "host", "timed"])
+    p = parser(__doc__)
+    add_backend(p, "cuda", ["cuda", "host", "timed"])
     p.add_argument("--sizes", default=",".join(SIZES), help="partition sizes, a comma list")
     p.add_argument("--threads", default="4,8", help="Dask threads, a comma list (best kept)")
     p.add_argument("--repeat", type=int, default=2)
@@ -83,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--profile", type=int, default=0, help="print the top N functions")
     p.add_argument("--profile-size", default="16MiB", help="the partition size profiled")
-    p.add_argument("--json", default=None)
+    add_output(p)
     args = p.parse_args(argv)
 
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -94,8 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.direct_off and parse_bytes(part) * 2 <= parse_bytes(
             str(dask.config.get("overlap.direct-bytes"))
         ):
-            with dask.config.set({"overlap.direct-bytes": 0}):
-                row["through_the_ring"] = case(part, size, args)
+            ring = {"DASK_OVERLAP__DIRECT_BYTES": "0"}  # overlap.direct-bytes: 0
+            row["through_the_ring"] = case(part, size, args, env=ring)
         for k in (int(b) for b in args.batch.split(",") if b.strip()):
             row[f"batch_{k}"] = case(part, size, args, k)
     print(f"\n{result['device']}: balanced, pinned input, out={args.out}, default settings")
@@ -110,28 +126,28 @@ def main(argv: list[str] | None = None) -> dict:
                 )
     if args.profile:
         profile(args.profile_size, SIZES.get(args.profile_size, "1GiB"), args)
-    write_json(args.json, result)
+    save(args, "small-partitions", result, figures(result), result["device"], f"out_{args.out}")
     return result
+
+
+def figures(result: dict) -> dict:
+    """The headline numbers of a run (its history line): per size and variant, GB/s, the
+    fraction of the bound and host µs per partition."""
+    keys = ("overlap_gbps", "overlap_over_bound", "host_us_per_partition", "correct")
+    out = {}
+    for part, row in result["sizes"].items():
+        out[part] = {k: row[k] for k in keys}
+        for variant in (k for k in row if k == "through_the_ring" or k.startswith("batch_")):
+            out[f"{part} {variant}"] = {k: row[variant][k] for k in keys}
+    return out
 
 
 def profile(partition: str, size: str, args: argparse.Namespace) -> None:
     """cProfile of one run on the synchronous scheduler (one thread, so that the profiler
     sees the tasks; the copy threads and stream waiters it does not)."""
-    prof = cProfile.Profile()
-    prof.enable()
     bench(["--backend", args.backend, "--workload", "balanced", "--pinned-input",
-           "--size", size, "--partition", partition, "--threads", "0"])  # fmt: skip
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
-
-
-def device_name(backend: str) -> str:
-    if backend != "cuda":
-        return f"{backend} backend ({os.cpu_count()} cores)"
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+           "--size", size, "--partition", partition, "--threads", "0"],
+          profile=args.profile)  # fmt: skip
 
 
 if __name__ == "__main__":

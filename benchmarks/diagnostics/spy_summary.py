@@ -5,8 +5,9 @@ frame on the stack, counted once per stack), with their share of all samples. Wi
 ``py-spy record --gil`` the samples are those of the thread that holds the GIL: the
 inclusive share of a function is then the share of the GIL it held.
 
-    py-spy record --gil --format raw -o prof.txt -- python3 benchmarks/threads_floor.py ...
-    python3 benchmarks/spy_summary.py prof.txt [--top 40] [--only _PartitionTask]
+    py-spy record --gil --format raw -o prof.txt -- \
+        python3 benchmarks/diagnostics/threads_floor.py ...
+    python3 benchmarks/diagnostics/spy_summary.py prof.txt [--top 40] [--only _PartitionTask]
 
 With ``--native``, a third table pairs each native leaf with the Python frame that led to
 it (where a thread waits for the GIL, in the driver, or in a lock); with ``--idle``, the

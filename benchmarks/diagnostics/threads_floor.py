@@ -10,7 +10,7 @@ balanced kernel. Each line prints GB/s and the process's CPU time per partition:
   per-task library can go under) and with the same work written by hand in the task;
 - dask_overlap.map_blocks on N threads.
 
-Run on the device: ``python3 benchmarks/threads_floor.py [--cases dask4,hand4,ours4]``
+Run on the device: ``python3 benchmarks/diagnostics/threads_floor.py [--cases dask4,hand4,ours4]``
 (``PART`` sets the partition bytes, 16 MiB by default).
 """
 
@@ -29,9 +29,8 @@ import numpy as np
 
 import dask_overlap
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import array_of_views  # noqa: E402
-from kernels import make_kernel  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import array_of_views, make_kernel  # noqa: E402
 
 P = int(os.environ.get("PART", 16 << 20))
 TOTAL = 2 << 30
@@ -183,7 +182,7 @@ def spinning_without_marks(fn):
 
 def every_partition_timed(fn):
     """``fn()`` with the lean path timing every partition's stages on the device (no
-    sampling: see dask_overlap/sampling.py)."""
+    sampling: see dask_overlap/pipeline/sampling.py)."""
     rt = dask_overlap.get_runtime("cuda")
     sampler, rt.sampler = rt.sampler, None
     try:

@@ -7,7 +7,7 @@ on the legacy default stream), then through ``dask_overlap.map_blocks`` with
 
 Example::
 
-    python benchmarks/timeline_cuda.py --json out/timeline.json --png out/timeline.png
+    python benchmarks/diagnostics/timeline_cuda.py --json out/timeline.json --png out/timeline.png
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from dask.utils import parse_bytes
 
 import dask_overlap
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import array_of_views, write_json  # noqa: E402
-from ceilings import measure_ceilings  # noqa: E402
-from kernels import make_kernel  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import array_of_views, make_kernel, measure_ceilings, write_json  # noqa: E402
 
 # As the /overlap page colours them: H2D blue, kernel green, D2H orange.
 COLORS = {"h2d": "tab:blue", "compute": "tab:green", "d2h": "tab:orange"}
@@ -90,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     host = block.view(np.float32).reshape(rows, 1024)
     host[...] = np.random.default_rng(0).random(host.shape, dtype=np.float32)
     if args.iterations is None:
-        # Balanced: the kernel takes as long as the partition's H2D (see ceilings.py).
-        _, _, args.iterations = measure_ceilings(rt, host, "balanced", 1.0, make_kernel)
+        # Balanced: the kernel takes as long as the partition's H2D (common.measure_ceilings).
+        _, _, args.iterations = measure_ceilings(rt, host, "balanced")
     func = make_kernel(args.iterations)
     sub = parse_bytes(args.sub_chunk) if args.sub_chunk else None
 

@@ -6,7 +6,7 @@ GB/s from the receiving worker's transfer log. UCX's own variables (``UCX_PROTO_
 to see which protocol it picked, ``UCX_RNDV_SCHEME``) pass to the workers through the
 environment.
 
-Run on the device: ``python3 benchmarks/ucx_probe.py [--sizes 256MiB,1GiB]``.
+Run on the device: ``python3 benchmarks/diagnostics/ucx_probe.py [--sizes 256MiB,1GiB]``.
 """
 
 from __future__ import annotations
