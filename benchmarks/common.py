@@ -217,16 +217,17 @@ def record(
     return line
 
 
-def gpu_test_counts(log: str) -> dict[str, int]:
+def gpu_test_counts(log: str) -> dict[str, int | bool]:
     """Passed, failed, skipped (and errors) of a pytest log, summed over its summary lines
-    (a log may hold several runs); a log cut before its summary counts its progress marks.
+    (a log may hold several runs); a log cut before its summary (``complete`` false)
+    counts its progress marks.
 
     Examples
     --------
     >>> gpu_test_counts("== 1 failed, 9 passed, 2 skipped, 40 deselected in 3.1s ==")
-    {'passed': 9, 'failed': 1, 'skipped': 2, 'errors': 0}
+    {'passed': 9, 'failed': 1, 'skipped': 2, 'errors': 0, 'complete': True}
     """
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    counts: dict[str, int | bool] = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     lines = [line for line in log.splitlines() if not line.startswith("#")]
     summaries = [
         line
@@ -247,6 +248,7 @@ def gpu_test_counts(log: str) -> dict[str, int]:
                     ("E", "errors"),
                 ):
                     counts[key] += marks.group(1).count(mark)
+    counts["complete"] = bool(summaries)
     return counts
 
 

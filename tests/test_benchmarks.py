@@ -67,9 +67,21 @@ def test_gpu_test_counts_sum_the_summaries_or_count_the_marks_of_a_cut_log():
         "==== 1 failed, 6 passed, 1 skipped, 40 deselected in 3.10s ====\n"
         "12 passed, 2 errors in 1.00s\n"
     )
-    assert common.gpu_test_counts(log) == {"passed": 18, "failed": 1, "skipped": 1, "errors": 2}
+    assert common.gpu_test_counts(log) == {
+        "passed": 18,
+        "failed": 1,
+        "skipped": 1,
+        "errors": 2,
+        "complete": True,
+    }
     cut = "....................s [ 48%]\n..F.\n"
-    assert common.gpu_test_counts(cut) == {"passed": 23, "failed": 1, "skipped": 1, "errors": 0}
+    assert common.gpu_test_counts(cut) == {
+        "passed": 23,
+        "failed": 1,
+        "skipped": 1,
+        "errors": 0,
+        "complete": False,
+    }
 
 
 def test_no_benchmark_script_imports_another():
