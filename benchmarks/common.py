@@ -184,7 +184,9 @@ def record(
     ``benchmark`` and ``figures``, the run's headline numbers. The current file holds the
     same keys and ``result``, the run's whole result. With ``merge``, a current file of the
     same benchmark and device keeps its other entries: ``figures`` and ``result`` are dicts
-    keyed alike (a case each) and this run's keys replace theirs.
+    keyed alike (a case each) and this run's keys replace theirs. (Lines backfilled from
+    the files that were there before also say ``source``, ``REV:PATH`` for ``git show``,
+    and some a ``note``.)
 
     Returns the history line.
 

@@ -84,6 +84,24 @@ def test_gpu_test_counts_sum_the_summaries_or_count_the_marks_of_a_cut_log():
     }
 
 
+def test_the_results_folder_is_current_files_and_a_history():
+    lines = history(common.RESULTS)
+    for line in lines:  # backfilled lines also say where they came from
+        assert set(common.HISTORY_KEYS) <= set(line) <= {*common.HISTORY_KEYS, "source", "note"}
+        assert re.match(r"\d{4}-\d\d-\d\d", line["date"]) and isinstance(line["figures"], dict)
+    benchmarks = {line["benchmark"] for line in lines}
+    assert {"default-path", "overlap", "cross-worker", "gpu-tests"} <= benchmarks
+    current = set()
+    for path in common.RESULTS.iterdir():
+        assert not re.search(r"\d{4}-\d\d-\d\d", path.name), f"a dated name: {path.name}"
+        data = json.loads(path.read_text()) if path.suffix == ".json" else None
+        if isinstance(data, dict) and "benchmark" in data:  # written by common.record
+            assert set(data) == {*common.HISTORY_KEYS, "result"}, path.name
+            assert data["benchmark"] == path.stem
+            current.add(path.stem)
+    assert current == benchmarks  # each benchmark of the history has its current file
+
+
 def test_no_benchmark_script_imports_another():
     names = {p.stem for p in SCRIPTS} - {"common"}
     assert {"bench_default", "bench_overlap", "chained_stages"} <= names  # found them
