@@ -20,49 +20,45 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any
 
 import dask.array as da
 import numpy as np
-from dask.utils import format_bytes, parse_bytes
+from dask.utils import format_bytes
 from distributed import Client, wait
 
 import dask_overlap
 from dask_overlap.cluster.local import plan_workers
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import KERNEL_RATIO, WORKLOADS, comma_list, write_json  # noqa: E402
-from ceilings import measure_ceilings  # noqa: E402
-from kernels import make_kernel  # noqa: E402
-
-COLS = 1024  # float32 columns: 4 KiB rows
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    COLS,
+    WORKLOADS,
+    add_output,
+    add_repeat,
+    byte_count,
+    comma_list,
+    make_kernel,
+    measure_ceilings,
+    naive,
+    parser,
+    persist_timed,
+    runtime_device,
+    save,
+)
 
 
 def calibrate(block: np.ndarray, workload: str) -> dict[str, Any]:
     """Run on a worker: its runtime's ceilings and the kernel iterations for ``workload``."""
     rt = dask_overlap.get_runtime()
-    ceilings, kernel_s, iterations = measure_ceilings(
-        rt, block, workload, KERNEL_RATIO[workload], make_kernel
-    )
+    ceilings, kernel_s, iterations = measure_ceilings(rt, block, workload)
     rates = {k: v / 1e9 for k, v in ceilings.items() if isinstance(v, float)}
     return {"ceilings_gbps": rates, "kernel_seconds": kernel_s, "iterations": iterations}
 
 
-def persist_seconds(client: Client, arr: da.Array) -> tuple[float, da.Array]:
-    t0 = time.perf_counter()
-    done = client.persist(arr)
-    wait(done)
-    return time.perf_counter() - t0, done
-
-
-def _naive(block: np.ndarray, kernel: Any) -> np.ndarray:
-    return dask_overlap.get_runtime().backend.naive(kernel, block)
-
-
 def run_one(args: argparse.Namespace, threads: int, calib: dict | None) -> dict[str, Any]:
-    size, part = parse_bytes(args.size), parse_bytes(args.partition)
-    rows, rows_per_part = max(1, size // (4 * COLS)), max(1, part // (4 * COLS))
+    rows = max(1, args.size // (4 * COLS))
+    rows_per_part = max(1, args.partition // (4 * COLS))
     nbytes = rows * COLS * 4
     layout = plan_workers(
         args.workers, cuda_visible_devices=args.cuda_visible_devices, allow_cpu=args.allow_cpu
@@ -105,24 +101,26 @@ def run_one(args: argparse.Namespace, threads: int, calib: dict | None) -> dict[
 
         # The reference: each worker's naive path (copy in, compute, copy out on its
         # backend), so both sides run the same kernel on the same device.
-        reference = da.map_blocks(_naive, x, kernel=func, dtype=np.float32)
+        reference = naive(x, func)
         seconds: dict[str, float] = {}
         correct = True
         for split in (0, None):
             name = f"split_axis={split}"
             seconds[name] = float("inf")
             for _ in range(args.repeat):
-                s, done = persist_seconds(client, variant(split, x))
+                s, done = persist_timed(variant(split, x), client=client)
                 seconds[name] = min(seconds[name], s)
                 correct &= bool(client.compute((done == reference).all(), sync=True))
                 del done  # frees its pinned outputs before the next run
         stats = client.run(dask_overlap.runtime_stats)
+        device = client.submit(runtime_device, pure=False).result()
 
     out = {
         "threads_per_worker": threads,
         "workers": layout.n_workers,
         "devices": list(layout.devices),
         "backend": kw.get("backend", layout.options.backend),
+        "device": device,
         "size_bytes": nbytes,
         "partition_bytes": rows_per_part * COLS * 4,
         "partitions": -(-rows // rows_per_part),
@@ -137,7 +135,7 @@ def run_one(args: argparse.Namespace, threads: int, calib: dict | None) -> dict[
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--threads", default="1,2,4", help="threads per worker, a comma list")
     p.add_argument("--workers", type=int, default=None, help="default: one per GPU")
     p.add_argument("--cuda-visible-devices", default=None, help="GPUs to use (default: all)")
@@ -146,15 +144,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--backend", default=None, help="workers' backend (default: config; timed models a GPU)"
     )
     p.add_argument("--workload", default="balanced", choices=WORKLOADS)
-    p.add_argument("--size", default="1GiB", help="input bytes (float32)")
-    p.add_argument("--partition", default="64MiB", help="bytes per Dask partition")
+    p.add_argument("--size", type=byte_count, default="1GiB", help="input bytes (float32)")
+    p.add_argument("--partition", type=byte_count, default="64MiB", help="bytes per Dask partition")
     p.add_argument("--sub-chunk", default=None, help="bytes per sub-chunk (default: config)")
-    p.add_argument("--repeat", type=int, default=2, help="timed runs of each variant; best kept")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument(
+        "--iterations", type=int, default=None, help="kernel length (default: calibrated)"
+    )
+    add_repeat(p, 2, "of each variant")
+    add_output(p)
     args = p.parse_args(argv)
 
     results: list[dict[str, Any]] = []
     calib = None
+    if args.iterations is not None:  # e.g. another run's calibration, for the same kernel
+        calib = {"ceilings_gbps": {}, "kernel_seconds": None, "iterations": args.iterations}
     for t in comma_list(args.threads, int):
         r = run_one(args, t, calib)
         calib = {k: r[k] for k in ("ceilings_gbps", "kernel_seconds", "iterations")}
@@ -168,8 +171,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"fallbacks={r['pinned_fallbacks']}",
             flush=True,
         )
-    write_json(args.json, results)
+    name = "cluster" if args.workers is None else f"cluster-{args.workers}-workers"
+    save(args, name, results, figures(results), results[0]["device"] if results else "none")
     return results
+
+
+def figures(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The headline numbers of a run (its history line): GB/s by threads per worker."""
+    out: dict[str, Any] = {k: results[0][k] for k in ("workers", "size_bytes")} if results else {}
+    for r in results:
+        out[f"threads={r['threads_per_worker']}"] = {**r["gbps"], "correct": r["correct"]}
+    return out
 
 
 if __name__ == "__main__":

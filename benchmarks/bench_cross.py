@@ -35,7 +35,7 @@ skipped, with the reason.
 
 Example (issue 16's GPU check, two workers on one H200; the CPU check beside it)::
 
-    python benchmarks/bench_cross.py --json benchmarks/results/cross-worker.json
+    python benchmarks/bench_cross.py --record  # benchmarks/results/cross-worker.json
     python benchmarks/bench_cross.py --allow-cpu --size 64MiB --partitions 8
 """
 
@@ -53,7 +53,7 @@ from typing import Any
 import dask.array as da
 import numpy as np
 from dask.core import flatten
-from dask.utils import format_bytes, parse_bytes
+from dask.utils import format_bytes
 from distributed import Client, wait
 
 import dask_overlap
@@ -62,9 +62,18 @@ from dask_overlap.metrics.timeline import busy_wall_seconds
 from dask_overlap.metrics.worker import transfer_spans
 from dask_overlap.pipeline.runtime import Span
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_cluster import COLS, persist_seconds  # noqa: E402
-from bench_overlap import comma_list, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    COLS,
+    add_output,
+    add_repeat,
+    byte_count,
+    comma_list,
+    parser,
+    persist_timed,
+    runtime_device,
+    save,
+)
 
 CHUNKS = ("host", "device")
 WORKERS = 2
@@ -86,16 +95,6 @@ def add(a: Any, b: Any) -> Any:
 def to_host(block: Any) -> np.ndarray:
     """A CuPy block copied to a NumPy array (a NumPy block as it is)."""
     return block if isinstance(block, np.ndarray) else block.get()
-
-
-def device_name() -> str:
-    """Run on a worker: its GPU's name, or ``"cpu"`` when its runtime is not on CUDA."""
-    if dask_overlap.get_runtime().name != "cuda":
-        return "cpu"
-    import cupy
-
-    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def fetches_of(dask_worker: Any) -> list[Span]:
@@ -200,7 +199,7 @@ class Case:
         before = {w: len(log) for w, log in self.client.run(fetches_of).items()}
         stage2 = dask_overlap.map_blocks(add, y, other, out=self.out, dtype=np.float32)
         t0 = time.time()
-        seconds, done = persist_seconds(self.client, stage2)
+        seconds, done = persist_timed(stage2, client=self.client)
         fetches = [
             f for w, log in self.client.run(fetches_of).items() for f in log[before.get(w, 0) :]
         ]
@@ -266,7 +265,7 @@ class Case:
 
 def run_one(args: argparse.Namespace, protocol: str, chunks: str) -> dict[str, Any]:
     """One fresh cluster on ``protocol``, measured with ``chunks`` (see the module docstring)."""
-    rows_per_part = max(1, parse_bytes(args.size) // (4 * COLS) // args.partitions)
+    rows_per_part = max(1, args.size // (4 * COLS) // args.partitions)
     rows = rows_per_part * args.partitions  # equal partitions: reversed blocks stay aligned
     with (
         dask_overlap.LocalGPUCluster(
@@ -284,7 +283,7 @@ def run_one(args: argparse.Namespace, protocol: str, chunks: str) -> dict[str, A
         x = place_in_halves(client, x)
         out = Case(client, x, chunks, rows * COLS * 4).measure(args.repeat)
         backend = cluster.layout.options.backend
-        device = client.submit(device_name, pure=False).result()
+        device = client.submit(runtime_device, pure=False).result()
     return {**out, "backend": backend, "device": device}
 
 
@@ -343,15 +342,15 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--protocols", default="tcp,ucxx", help="a comma list (tcp, ucxx, ...)")
     p.add_argument("--chunks", default="host,device", help="a comma list of host, device")
     p.add_argument("--threads", type=int, default=4, help="threads per worker")
     p.add_argument("--allow-cpu", action="store_true", help="CPU workers when there is no GPU")
-    p.add_argument("--size", default="4GiB", help="input bytes (float32)")
+    p.add_argument("--size", type=byte_count, default="4GiB", help="input bytes (float32)")
     p.add_argument("--partitions", type=int, default=16, help="Dask partitions of the input")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs of each variant; best kept")
-    p.add_argument("--json", default=None, help="write the results here")
+    add_repeat(p, 3, "of each variant")
+    add_output(p)
     args = p.parse_args(argv)
     protocols, kinds = comma_list(args.protocols, str), comma_list(args.chunks, str)
     try:
@@ -395,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     flush=True,
                 )
 
-    rows_per_part = max(1, parse_bytes(args.size) // (4 * COLS) // args.partitions)
+    rows_per_part = max(1, args.size // (4 * COLS) // args.partitions)
     summary = {
         "device": ", ".join(sorted(devices)) or None,
         "workers": WORKERS,
@@ -425,8 +424,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("note: no GPU here: 'device' chunks are the host backend's NumPy arrays")
     for name, met in summary["targets"].items():
         print(f"target {name}: {'not evaluated (no such row on a GPU)' if met is None else met}")
-    write_json(args.json, summary)
+    save(args, "cross-worker", summary, figures(summary), summary["device"] or "none")
     return summary
+
+
+def figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of a run (its history line): each row's GB/s, or why it did
+    not run."""
+    keys = ("local_gbps", "crossing_gbps", "crossing_over_local", "correct")
+    out: dict[str, Any] = {"size_bytes": summary["size_bytes"]}
+    for protocol, by_chunks in summary["results"].items():
+        for chunks, r in by_chunks.items():
+            row = {k: r[k] for k in keys} if r.get("crossing_gbps") is not None else None
+            out[f"{protocol} {chunks}"] = row or {"skipped": r.get("skipped") or r.get("error")}
+    return out
 
 
 def failed(summary: dict[str, Any]) -> bool:

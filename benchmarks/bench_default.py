@@ -7,15 +7,16 @@ on Dask's default threaded scheduler):
 1. naive Dask + CuPy: ``cp.asnumpy(f(cp.asarray(block)))`` per partition;
 2. ``dask_overlap.map_blocks(f, x, split_axis=0)`` and ``dask_overlap.map_blocks(f, x)``,
    with no options at all (the default pinned pool, 4 GiB, is smaller than the result);
-3. a hand-written pipeline of the same shape with no Dask (``handwritten.py``; CUDA
-   only), its best over a few chunks-in-flight and thread counts;
+3. a hand-written pipeline of the same shape with no Dask (``common.run_handwritten``;
+   CUDA only), its best over a few chunks-in-flight and thread counts;
 4. the stage rates: PCIe each way and both ways, staging into pinned memory, unstaging
    into fresh arrays, the kernel;
 5. a real library kernel: ``gaussian_filter1d`` along rows (cupyx on the GPU, SciPy on
    the CPU), naive and dask_overlap with defaults.
 
 Every result is compared element by element with the naive path's. Writes the figures
-the issue asks for (``--json``, e.g. ``benchmarks/results/default-path.json``).
+the issue asks for (``--json PATH``; ``--record`` writes ``benchmarks/results/default-path.json``
+and a line of ``benchmarks/results/history.jsonl``).
 
 Example (CPU, small)::
 
@@ -24,11 +25,9 @@ Example (CPU, small)::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import dask
@@ -38,33 +37,32 @@ from dask.utils import format_bytes, parse_bytes
 
 import dask_overlap
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import (  # noqa: E402
-    KERNEL_RATIO,
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    COLS,
+    GB,
+    add_output,
+    add_repeat,
     array_of_views,
+    best_of,
+    best_persist,
+    byte_count,
     comma_list,
+    device_name,
+    engine_busy,
+    make_kernel,
+    measure_ceilings,
+    naive,
+    parallel_copy_rate,
+    parser,
+    random_data,
+    run_handwritten,
     same_chunks,
-    write_json,
+    save,
+    warm_up,
 )
-from ceilings import measure_ceilings, parallel_copy_rate  # noqa: E402
-from kernels import make_kernel  # noqa: E402
 
-GB = 1e9
-
-
-def random_data(shape: tuple[int, int], threads: int = 16) -> np.ndarray:
-    """Float32 random data in ordinary memory, made by several threads (NumPy's
-    generators release the GIL)."""
-    out = np.empty(shape, np.float32)
-    bounds = np.linspace(0, shape[0], threads + 1).astype(int)
-
-    def fill(k: int) -> None:
-        rng = np.random.default_rng(k)
-        rng.random(out=out[bounds[k] : bounds[k + 1]], dtype=np.float32)
-
-    with ThreadPoolExecutor(threads) as ex:
-        list(ex.map(fill, range(threads)))
-    return out
+BENCHMARK = "default-path"
 
 
 def rss() -> int:
@@ -80,22 +78,6 @@ def gaussian(block: Any) -> Any:
     else:
         from cupyx.scipy.ndimage import gaussian_filter1d
     return gaussian_filter1d(block, sigma=8.0, axis=-1)
-
-
-def best_persist(arr: da.Array, repeat: int) -> tuple[float, list[np.ndarray]]:
-    """Best of ``repeat`` persists on the default threaded scheduler, and its chunks."""
-    best, chunks = float("inf"), []
-    for _ in range(repeat):
-        chunks = []
-        t0 = time.perf_counter()
-        (done,) = dask.persist(arr)
-        seconds = time.perf_counter() - t0
-        if seconds < best:
-            best = seconds
-        graph = done.__dask_graph__()
-        chunks = [graph[k] for k in dask.core.flatten(done.__dask_keys__())]
-        del done, graph
-    return best, chunks
 
 
 def stage_rates(block: np.ndarray, threads: int) -> dict[str, float]:
@@ -114,13 +96,17 @@ def stage_rates(block: np.ndarray, threads: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="8GiB", help="input bytes (float32)")
-    p.add_argument("--partition", default="256MiB", help="bytes per Dask partition")
-    p.add_argument("--repeat", type=int, default=2, help="timed runs of each path; best kept")
+    p = parser(__doc__)
+    p.add_argument("--size", type=byte_count, default="8GiB", help="input bytes (float32)")
+    p.add_argument(
+        "--partition", type=byte_count, default="256MiB", help="bytes per Dask partition"
+    )
+    add_repeat(p, 2)
     p.add_argument("--hand-in-flight", default="4,8", help="hand-written: chunks in flight")
     p.add_argument("--hand-threads", default="8,16", help="hand-written: copy threads")
-    p.add_argument("--gaussian-size", default="4GiB", help="input of the gaussian case")
+    p.add_argument(
+        "--gaussian-size", type=byte_count, default="4GiB", help="input of the gaussian case"
+    )
     p.add_argument("--no-gaussian", action="store_true", help="skip the gaussian case")
     p.add_argument(
         "--sweep",
@@ -128,33 +114,26 @@ def main(argv: list[str] | None = None) -> dict:
         help="also time split and whole partitions over sub-chunk sizes, copy piece sizes "
         "and Dask threads (to choose the defaults)",
     )
-    p.add_argument("--json", default=None, help="write the results here")
+    add_output(p)
     args = p.parse_args(argv)
 
     rt = dask_overlap.get_runtime()  # the defaults: no overlap.* setting is touched
     backend = rt.name
-    size, part = parse_bytes(args.size), parse_bytes(args.partition)
-    cols = 1024
-    rows, rows_per_part = max(1, size // (4 * cols)), max(1, part // (4 * cols))
-    host = random_data((rows, cols))
+    rows = max(1, args.size // (4 * COLS))
+    rows_per_part = max(1, args.partition // (4 * COLS))
+    host = random_data((rows, COLS))
     nbytes = host.nbytes
-    ceilings, kernel_s_part, iterations = measure_ceilings(
-        rt, host[:rows_per_part], "balanced", KERNEL_RATIO["balanced"], make_kernel
-    )
+    ceilings, kernel_s_part, iterations = measure_ceilings(rt, host[:rows_per_part], "balanced")
     func = make_kernel(iterations)
     rates = stage_rates(host[:rows_per_part], rt.copy_threads)
     x = array_of_views(host, rows_per_part)
 
-    def naive_block(b: np.ndarray) -> np.ndarray:
-        return rt.backend.naive(func, b)
-
-    naive = da.map_blocks(naive_block, x, dtype=np.float32)
+    reference = naive(x, func)
     split = dask_overlap.map_blocks(func, x, split_axis=0, dtype=np.float32)
     whole = dask_overlap.map_blocks(func, x, dtype=np.float32)
-    for arr in (naive, split, whole):  # compilation, pools, first touch
-        dask.persist(arr[: 2 * rows_per_part])
+    warm_up(reference, split, whole)  # compilation, pools, first touch
 
-    naive_s, ref = best_persist(naive, 1)
+    naive_s, ref = best_persist(reference, 1)
     before, rss0 = rt.stats(), rss()
     split_s, got = best_persist(split, args.repeat)
     rss_split = rss() - rss0
@@ -166,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     after = rt.stats()
     print(
         f"backend={backend} {format_bytes(nbytes)} in {x.numblocks[0]} partitions of "
-        f"{format_bytes(rows_per_part * cols * 4)}; copy threads {rt.copy_threads}"
+        f"{format_bytes(rows_per_part * COLS * 4)}; copy threads {rt.copy_threads}"
     )
     print(f"  naive Dask                {nbytes / naive_s / GB:7.2f} GB/s")
     print(f"  default, split_axis=0     {nbytes / split_s / GB:7.2f} GB/s")
@@ -174,16 +153,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     hand: list[dict] = []
     if backend == "cuda":
-        from handwritten import run_handwritten
-
+        rows_per_chunk = max(1, parse_bytes("64MiB") // (4 * COLS))
         for k in comma_list(args.hand_in_flight, int):
             for t in comma_list(args.hand_threads, int):
-                rows_per_chunk = max(1, parse_bytes("64MiB") // (4 * cols))
-                best = float("inf")
-                for _ in range(args.repeat):
-                    seconds, chunks = run_handwritten(host, rows_per_chunk, func, k, t)
-                    best = min(best, seconds)
-                ok = np.array_equal(np.concatenate(chunks), np.concatenate(ref))
+                best, chunks = best_of(
+                    lambda k=k, t=t: run_handwritten(host, rows_per_chunk, func, k, t),
+                    args.repeat,
+                )
+                ok = same_chunks(ref, chunks)
                 del chunks
                 hand.append({"in_flight": k, "threads": t, "gbps": nbytes / best / GB, "ok": ok})
                 print(
@@ -194,10 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     default_s = min(split_s, whole_s)
     result: dict[str, Any] = {
-        "device": _device_name(backend),
+        "device": device_name(backend),
         "backend": backend,
         "size_bytes": nbytes,
-        "partition_bytes": rows_per_part * cols * 4,
+        "partition_bytes": rows_per_part * COLS * 4,
         "pinned_pool_size": rt.options.pinned_pool_size,
         "copy_threads": rt.copy_threads,
         "kernel_iterations": iterations,
@@ -237,9 +214,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sweep:
         result["sweep"] = sweep(rt, x, func, nbytes, ref_sum(host, func, rows_per_part))
     if not args.no_gaussian:
-        result["gaussian"] = gaussian_case(rt, parse_bytes(args.gaussian_size), rows_per_part)
-    write_json(args.json, result)
+        result["gaussian"] = gaussian_case(args.gaussian_size, rows_per_part)
+    save(args, BENCHMARK, result, figures(result), result["device"])
     return result
+
+
+def figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of a run (its history line)."""
+    keys = ("size_bytes", "naive_gbps", "split_gbps", "nosplit_gbps", "handwritten_gbps")
+    keys += ("speedup_vs_naive", "default_over_handwritten", "pinned_fallbacks", "correct")
+    out = {k: result[k] for k in keys if k in result}
+    if "gaussian" in result:
+        g = result["gaussian"]
+        out["gaussian"] = {k: g[k] for k in ("naive_gbps", "default_gbps", "correct")}
+    return out
 
 
 def ref_sum(host: np.ndarray, func: Any, rows_per_part: int) -> float:
@@ -256,8 +244,6 @@ def ref_sum(host: np.ndarray, func: Any, rows_per_part: int) -> float:
 def sweep(rt: Any, x: da.Array, func: Any, nbytes: int, want: float) -> list[dict]:
     """Split and whole partitions over sub-chunk sizes, copy piece sizes and threads, with
     each engine's busy fraction (from the runtime's timeline)."""
-    from bench_overlap import engine_busy
-
     out = []
     default_piece = rt.copies.piece_bytes
     configs = [
@@ -305,20 +291,15 @@ def sweep(rt: Any, x: da.Array, func: Any, nbytes: int, want: float) -> list[dic
     return out
 
 
-def gaussian_case(rt: Any, size: int, rows_per_part: int) -> dict[str, Any]:
+def gaussian_case(nbytes: int, rows_per_part: int) -> dict[str, Any]:
     """``gaussian_filter1d`` along rows: naive against dask_overlap with defaults."""
-    cols = 1024
-    host = random_data((max(1, size // (4 * cols)), cols))
+    host = random_data((max(1, nbytes // (4 * COLS)), COLS))
     x = array_of_views(host, rows_per_part)
-
-    def naive_block(b: np.ndarray) -> np.ndarray:
-        return rt.backend.naive(gaussian, b)
-
-    naive = x.map_blocks(naive_block, dtype=np.float32)
+    reference = naive(x, gaussian)
     ours = dask_overlap.map_blocks(gaussian, x, split_axis=0, dtype=np.float32)
     whole = dask_overlap.map_blocks(gaussian, x, dtype=np.float32)
-    dask.persist(naive[:rows_per_part], ours[:rows_per_part], whole[:rows_per_part])
-    naive_s, ref = best_persist(naive, 1)
+    dask.persist(reference[:rows_per_part], ours[:rows_per_part], whole[:rows_per_part])
+    naive_s, ref = best_persist(reference, 1)
     ours_s, got = best_persist(ours, 2)
     correct = same_chunks(ref, got)
     del got
@@ -339,16 +320,6 @@ def gaussian_case(rt: Any, size: int, rows_per_part: int) -> dict[str, Any]:
         f"correct={out['correct']}"
     )
     return out
-
-
-def _device_name(backend: str) -> str:
-    if backend != "cuda":
-        import platform
-
-        return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
 
 
 if __name__ == "__main__":

@@ -24,85 +24,49 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import dask
 import dask.array as da
 import numpy as np
-from dask.base import tokenize
-from dask.highlevelgraph import HighLevelGraph
 from dask.utils import format_bytes, parse_bytes
 
 import dask_overlap
 from dask_overlap.backends import resolve_backend
 
-sys.path.insert(0, os.path.dirname(__file__))
-from ceilings import measure_ceilings  # noqa: E402
-from kernels import make_kernel  # noqa: E402
-
-WORKLOADS = ("balanced", "transfer", "compute")
-# Kernel time of one partition relative to that partition's H2D copy.
-KERNEL_RATIO = {"balanced": 1.0, "transfer": 0.0, "compute": 3.0}
-
-
-def write_json(path: str | None, data: Any) -> None:
-    """Write ``data`` to ``path`` (creating its folder); nothing when ``path`` is None."""
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-
-
-def comma_list(text: str, parse: Callable[[str], Any]) -> list:
-    """``"a,b"`` parsed item by item; empty items skipped."""
-    return [parse(t) for t in str(text).split(",") if t]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    COLS,
+    KERNEL_RATIO,
+    WORKLOADS,
+    add_backend,
+    add_output,
+    add_repeat,
+    array_of_views,
+    best_of,
+    byte_count,
+    comma_list,
+    device_name,
+    engine_busy,
+    make_kernel,
+    measure_ceilings,
+    naive,
+    parser,
+    persist_chunks,
+    pinned_copy,
+    same_chunks,
+    save,
+    write_json,
+)
 
 
 def show_bytes(n: int | str) -> str:
     """A byte count for people (``auto`` and other words as they are)."""
     return n if isinstance(n, str) else format_bytes(n)
-
-
-def same_chunks(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
-    """Element-by-element equality of two lists of row blocks, whatever their cuts (a
-    batch's blocks are several of the naive path's), without joining either."""
-    i = j = at_a = at_b = 0
-    while i < len(a) and j < len(b):
-        n = min(len(a[i]) - at_a, len(b[j]) - at_b)
-        if not np.array_equal(a[i][at_a : at_a + n], b[j][at_b : at_b + n]):
-            return False
-        at_a, at_b = at_a + n, at_b + n
-        if at_a == len(a[i]):
-            i, at_a = i + 1, 0
-        if at_b == len(b[j]):
-            j, at_b = j + 1, 0
-    return all(len(x) == 0 for x in a[i:]) and all(len(y) == 0 for y in b[j:])
-
-
-def engine_busy(spans: list, start: float, end: float) -> dict[str, float]:
-    """Per stage, the fraction of ``[start, end]`` covered by at least one of its spans.
-
-    A stream's span starts when the stream reaches it, which may be before its engine
-    takes it up, so this is an upper bound on each engine's busy time: where it is low,
-    that engine sat idle for certain.
-    """
-    out = {}
-    for stage in sorted({s.stage for s in spans}):
-        covered, reach = 0.0, start
-        for s in sorted((s for s in spans if s.stage == stage), key=lambda s: s.start):
-            lo, hi = max(s.start, reach), min(s.end, end)
-            if hi > lo:
-                covered += hi - lo
-            reach = max(reach, s.end)
-        out[stage] = covered / (end - start) if end > start else 0.0
-    return out
 
 
 def timeline_of(spans: list, start: float, seconds: float, *config: Any) -> dict[str, Any]:
@@ -122,42 +86,9 @@ def timeline_of(spans: list, start: float, seconds: float, *config: Any) -> dict
 def persist_seconds(arr: da.Array, threads: int) -> tuple[float, list[np.ndarray]]:
     """Seconds until every chunk of ``arr`` exists, and the chunks (in block order).
     ``threads`` 0: the synchronous scheduler (one thread: a profiler sees every task)."""
-    t0 = time.perf_counter()
     if threads:
-        (done,) = dask.persist(arr, scheduler="threads", num_workers=threads)
-    else:
-        (done,) = dask.persist(arr, scheduler="sync")
-    seconds = time.perf_counter() - t0
-    graph = done.__dask_graph__()
-    keys = dask.core.flatten(done.__dask_keys__())
-    return seconds, [np.asarray(graph[k]) for k in keys]
-
-
-def array_of_views(host: np.ndarray, rows_per_part: int) -> da.Array:
-    """A dask array whose chunks are views of ``host`` (``from_array`` would copy them,
-    and a copy of pinned input is pageable)."""
-    name = f"input-{tokenize(host.shape, host.dtype, id(host))}"
-    starts = range(0, host.shape[0], rows_per_part)
-    dsk = {(name, i, 0): host[s : s + rows_per_part] for i, s in enumerate(starts)}
-    chunks = (tuple(min(rows_per_part, host.shape[0] - s) for s in starts), (host.shape[1],))
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
-    return da.Array(graph, name, chunks, meta=np.empty((0, 0), host.dtype))
-
-
-def pinned_copy(rt: Any, host: np.ndarray) -> np.ndarray:
-    """``host`` copied into pinned memory: page-locked by CUDA on the GPU (outside the
-    pool, as a user's pinned data would be), a block of the pool elsewhere."""
-    if rt.name == "cuda":
-        import cupyx
-
-        pinned = cupyx.empty_pinned(host.shape, host.dtype)
-    else:
-        block = rt.backend.pinned.allocate(host.nbytes)
-        if block is None:
-            raise SystemExit("the pinned pool cannot hold the input; raise its size")
-        pinned = block.view(host.dtype).reshape(host.shape)
-    pinned[...] = host
-    return pinned
+        return persist_chunks(arr, scheduler="threads", num_workers=threads)
+    return persist_chunks(arr, scheduler="sync")
 
 
 def configure_timed(workload: str) -> None:
@@ -220,11 +151,11 @@ def caveats(backend: str, over_bound: float) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "host", "timed"])
+    p = parser(__doc__)
+    add_backend(p)
     p.add_argument("--workload", default="balanced", choices=WORKLOADS)
-    p.add_argument("--size", default="256MiB", help="input bytes (float32)")
-    p.add_argument("--partition", default="32MiB", help="bytes per Dask partition")
+    p.add_argument("--size", type=byte_count, default="256MiB", help="input bytes (float32)")
+    p.add_argument("--partition", type=byte_count, default="32MiB", help="bytes per Dask partition")
     p.add_argument(
         "--sub-chunk", default="", help="bytes per sub-chunk, a comma list (default: config)"
     )
@@ -240,22 +171,24 @@ def main(argv: list[str] | None = None) -> dict:
         choices=["host", "pinned"],
         help="where results live: ordinary arrays (the default) or the pinned pool",
     )
-    p.add_argument("--repeat", type=int, default=1, help="timed runs of each path; best kept")
+    add_repeat(p, 1)
     p.add_argument(
         "--batch",
         type=lambda s: s if s == "auto" else int(s),
         default="auto",
         help="blocks joined per partition (map_blocks batch=; default: its default, auto)",
     )
-    p.add_argument("--json", default=None, help="write the results here")
+    add_output(p)
+    p.add_argument(
+        "--case", default=None, help="this run's name in the current file (WORKLOAD-INPUT)"
+    )
     p.add_argument("--timeline-json", default=None, help="write the fastest run's stage spans here")
     args = p.parse_args(argv)
 
     backend = resolve_backend(args.backend)
-    size, part = parse_bytes(args.size), parse_bytes(args.partition)
-    row = 1024  # float32 columns: 4 KiB rows
-    rows, rows_per_part = max(1, size // (4 * row)), max(1, part // (4 * row))
-    nbytes = rows * row * 4
+    rows = max(1, args.size // (4 * COLS))
+    rows_per_part = max(1, args.partition // (4 * COLS))
+    nbytes = rows * COLS * 4
     subs = comma_list(args.sub_chunk, parse_bytes) or [None]
     in_flights = comma_list(args.in_flight, int) or [None]
     threads = comma_list(args.threads, int) or [4]
@@ -276,21 +209,16 @@ def main(argv: list[str] | None = None) -> dict:
     rt = dask_overlap.get_runtime(backend)
 
     rng = np.random.default_rng(0)
-    host = rng.random((rows, row), dtype=np.float32)
+    host = rng.random((rows, COLS), dtype=np.float32)
     if args.pinned_input:
         host = pinned_copy(rt, host)
 
-    ceilings, kernel_s_part, iterations = measure_ceilings(
-        rt, host[:rows_per_part], args.workload, KERNEL_RATIO[args.workload], make_kernel
-    )
+    ceilings, kernel_s_part, iterations = measure_ceilings(rt, host[:rows_per_part], args.workload)
     func = make_kernel(iterations)
     x = array_of_views(host, rows_per_part)
     n_parts = x.numblocks[0]
     kernel_s = kernel_s_part * rows / rows_per_part
     naive_threads = comma_list(args.naive_threads, int) or threads[:1]
-
-    def naive_block(b: np.ndarray) -> np.ndarray:
-        return rt.backend.naive(func, b)
 
     def overlapped(data: da.Array, sub: int | None, in_flight: int | None) -> da.Array:
         return dask_overlap.map_blocks(
@@ -306,21 +234,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Warm-up: compilation, pool creation and first touch stay out of the numbers.
     warm = x[: min(rows, 2 * rows_per_part)]
-    dask.persist(da.map_blocks(naive_block, warm, dtype=np.float32), scheduler="threads")
+    dask.persist(naive(warm, func, backend), scheduler="threads")
     for sub in subs:
         dask.persist(overlapped(warm, sub, in_flights[0]), scheduler="threads")
 
-    naive = da.map_blocks(naive_block, x, dtype=np.float32)
+    reference = naive(x, func, backend)
     naive_runs = {}
     naive_chunks = None
     for t in naive_threads:
-        best = float("inf")
-        for _ in range(args.repeat):
-            seconds, chunks = persist_seconds(naive, t)
-            best = min(best, seconds)
-            naive_chunks = chunks
-            del chunks
-        naive_runs[t] = best
+        naive_runs[t], naive_chunks = best_of(
+            lambda t=t: persist_seconds(reference, t), args.repeat
+        )
 
     staged = not args.pinned_input
     out_bytes = nbytes  # the kernel is elementwise: one output byte per input byte
@@ -384,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
         "workload": args.workload,
         "input": "pinned" if args.pinned_input else "pageable",
         "size_bytes": nbytes,
-        "partition_bytes": rows_per_part * row * 4,
+        "partition_bytes": rows_per_part * COLS * 4,
         "partitions": n_parts,
         "batch": args.batch,
         "sub_chunk_bytes": top["sub_chunk_bytes"],
@@ -429,16 +353,23 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for note in caveats(backend, result["overlap_over_bound"]):
         print(f"  note: {note}")
-    write_json(args.json, result)
+    name = "overlap" if backend == "cuda" else f"overlap-{backend}"
+    case = args.case or f"{args.workload}-{result['input']}"
+    save(args, name, result, figures(result), device_name(backend), case=case)
     write_json(args.timeline_json, timeline or None)
     dask_overlap.close_runtimes()
     return result
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["default"]:
-        from bench_default import main as default_main
+def figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of a run (its history line)."""
+    keys = ("size_bytes", "partition_bytes", "naive_gbps", "overlap_gbps", "bound_gbps")
+    keys += ("bound_stage", "overlap_over_bound", "speedup_vs_naive", "correct")
+    return {k: result[k] for k in keys}
 
-        default_main(sys.argv[2:])
-    else:
-        main()
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["default"]:  # the script in its place, not imported
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_default.py")
+        os.execv(sys.executable, [sys.executable, script, *sys.argv[2:]])
+    main()

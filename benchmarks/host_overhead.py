@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import os
 import pstats
@@ -24,12 +23,13 @@ import time
 import dask
 import dask.array as da
 import numpy as np
-from dask.utils import parse_bytes
 
 import dask_overlap
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_overlap import write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_output, add_repeat, byte_count, device_name, parser, save  # noqa: E402
+
+BENCHMARK = "host-overhead"
 
 
 def best_us(*runs: tuple[da.Array, bool], repeat: int) -> list[float]:
@@ -47,18 +47,20 @@ def best_us(*runs: tuple[da.Array, bool], repeat: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--partitions", type=int, default=2000)
-    p.add_argument("--partition", default="64KiB", help="bytes per partition (float64)")
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument(
+        "--partition", type=byte_count, default="64KiB", help="bytes per partition (float64)"
+    )
+    add_repeat(p, 5, "of each")
     p.add_argument("--split", action="store_true", help="dask_overlap with split_axis=0")
     p.add_argument("--profile", type=int, default=0, help="print the top N functions")
-    p.add_argument("--json", default=None)
+    add_output(p)
     args = p.parse_args(argv)
 
     dask.config.set({"overlap.backend": "host"})
     cols = 64
-    rows = max(1, parse_bytes(args.partition) // (8 * cols))
+    rows = max(1, args.partition // (8 * cols))
     x = da.ones((rows * args.partitions, cols), chunks=(rows, cols)).persist(scheduler="sync")
     plain = da.map_blocks(np.negative, x, dtype=x.dtype)
     # A partition a block (batch=1), as plain Dask's: with split_axis the default would
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
         dask.persist(ours, scheduler="sync")
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
-    write_json(args.json, result)
+    figures = {k: v for k, v in result.items() if k != "backend"}
+    save(args, BENCHMARK, result, figures, device_name("host"))
     return result
 
 

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU run on the device machine: GPU tests, the issue-3 benchmark cases, the per-stream
 # timeline, the cluster benchmark, the demo and a dashboard snapshot. Logs and JSON go to
-# $OUT (default ./bench-out), in few files (the device returns at most 8).
+# $OUT (default ./bench-out), in few files (the device returns at most 8): each benchmark
+# writes its current file ($OUT/default-path.json, overlap.json, cluster.json, ...) and a
+# line of $OUT/history.jsonl, the GPU tests their counts too (benchmark gpu-tests). To keep
+# a run, copy the current files into benchmarks/results/ and append $OUT/history.jsonl to
+# benchmarks/results/history.jsonl (pytest's log stays out of git).
 #
 #   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap]...
 #
@@ -43,6 +47,16 @@ run_tests() {
     timeout "${TESTS_LIMIT:-150}" python3 -m pytest -m "$mark" -q -p no:cacheprovider --timeout 300 \
         --durations 8 ${TESTS_PATHS:-tests} >"$OUT/pytest-gpu.log" 2>&1 || status=1
     tail -n 40 "$OUT/pytest-gpu.log"
+    python3 - "$OUT" "$mark" "${TESTS_PATHS:-tests}" <<'PY' || status=1
+import sys
+sys.path.insert(0, "benchmarks")
+import common
+out, mark, paths = sys.argv[1:4]
+counts = common.gpu_test_counts(open(f"{out}/pytest-gpu.log").read())
+result = {"mark": mark, "paths": paths, **counts}
+common.record("gpu-tests", counts, common.device_name("cuda"), f"{out}/gpu-tests.json", result)
+print("gpu-tests:", counts)
+PY
 }
 
 run_trap() {
@@ -58,7 +72,7 @@ bench_case() {  # name, then bench_overlap.py arguments
     shift
     log "bench $name: $*"
     timeout "${CASE_LIMIT:-75}" python3 benchmarks/bench_overlap.py --backend cuda \
-        --json "$OUT/cases/$name.json" --timeline-json "$OUT/cases/$name.spans" "$@" 2>&1 | grep -v "^ *warn\|Warning" | tail -n 30 || status=1
+        --record "$OUT" --case "$name" --timeline-json "$OUT/cases/$name.spans" "$@" 2>&1 | grep -v "^ *warn\|Warning" | tail -n 30 || status=1
 }
 
 run_bench() {
@@ -78,13 +92,12 @@ run_bench() {
             balanced-16MiB) bench_case "$c" "${common[@]}" --partition 16MiB --workload balanced --pinned-input --out pinned ;;
         esac
     done
+    # The cases are in $OUT/overlap.json (one current file); their stage spans in one file.
     python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
-def load(ext):
-    return {os.path.basename(p)[: -len(ext)]: json.load(open(p)) for p in sorted(glob.glob(f"{out}/cases/*{ext}"))}
-json.dump(load(".json"), open(f"{out}/bench-cuda.json", "w"), indent=1)
-json.dump(load(".spans"), open(f"{out}/bench-cuda-spans.json", "w"))
+spans = {os.path.basename(p)[: -len(".spans")]: json.load(open(p)) for p in sorted(glob.glob(f"{out}/cases/*.spans"))}
+json.dump(spans, open(f"{out}/overlap-spans.json", "w"))
 PY
     rm -rf "$OUT/cases"
 }
@@ -92,13 +105,13 @@ PY
 run_default() {
     # The path users run: no overlap.* settings, pageable input, result larger than the pool.
     log "default path: bench_default.py ${DEFAULT_ARGS:-}"
-    timeout "${DEFAULT_LIMIT:-240}" python3 benchmarks/bench_default.py --json "$OUT/default-path.json" \
+    timeout "${DEFAULT_LIMIT:-240}" python3 benchmarks/bench_default.py --record "$OUT" \
         ${DEFAULT_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 30 || status=1
 }
 
 run_timeline() {
     log "timeline"
-    timeout 60 python3 benchmarks/timeline_cuda.py --json "$OUT/timeline-cuda.json" \
+    timeout 60 python3 benchmarks/diagnostics/timeline_cuda.py --json "$OUT/timeline-cuda.json" \
         --png "$OUT/timeline-cuda.png" 2>&1 | tail -n 4 || status=1
 }
 
@@ -112,7 +125,7 @@ run_cluster() {
         log "cluster bench: LocalGPUCluster ${w:-one per GPU} worker(s), threads ${CLUSTER_THREADS:-1,4}"
         timeout "${CLUSTER_LIMIT:-100}" python3 benchmarks/bench_cluster.py $flag \
             --threads "${CLUSTER_THREADS:-1,4}" --size "${CLUSTER_SIZE:-2GiB}" --partition 256MiB \
-            --repeat "${CLUSTER_REPEAT:-1}" --json "$OUT/bench-cluster${w:+-$w-workers}.json" \
+            --repeat "${CLUSTER_REPEAT:-1}" --record "$OUT" \
             2>&1 | grep -v "^ \|Warning\|warn" | tail -n 8 || status=1
     done
 }
@@ -120,7 +133,7 @@ run_cluster() {
 run_cross() {
     # Issue 16: partitions crossing two workers, by protocol (tcp, ucxx) and chunks (host, device).
     log "cross-worker bench: bench_cross.py ${CROSS_ARGS:-}"
-    timeout "${CROSS_LIMIT:-300}" python3 benchmarks/bench_cross.py --json "$OUT/cross-worker.json" \
+    timeout "${CROSS_LIMIT:-300}" python3 benchmarks/bench_cross.py --record "$OUT" \
         ${CROSS_ARGS:-} 2>&1 | grep -v "^ \|Warning\|warn" | tail -n 30 || status=1
 }
 
@@ -130,10 +143,10 @@ run_small() {
     local out
     for out in ${SMALL_OUT:-host pinned}; do
         log "small partitions, out=$out: ${SMALL_SIZES:-256MiB,16MiB,4MiB,1MiB,256KiB}"
-        timeout "${SMALL_LIMIT:-240}" python3 benchmarks/small_partitions.py --direct-off --out "$out" \
+        timeout "${SMALL_LIMIT:-240}" python3 benchmarks/diagnostics/small_partitions.py --direct-off --out "$out" \
             --sizes "${SMALL_SIZES:-256MiB,16MiB,4MiB,1MiB,256KiB}" --profile "${SMALL_TOP:-0}" \
             --batch "${SMALL_BATCH:-}" \
-            --json "$OUT/small-partitions-$out.json" 2>&1 | grep -v "Warning\|warn" \
+            --record "$OUT" 2>&1 | grep -v "Warning\|warn" \
             | grep -v "^  sub-chunk\|^  naive\|^  dask_overlap\|^  bound\|^backend=\|^  overlap/bound" \
             | tail -n "${SMALL_TAIL:-30}" || status=1
     done
@@ -146,7 +159,7 @@ run_floor() {
     local part
     for part in ${FLOOR_PARTS:-16777216 4194304}; do
         log "floors, partition $part bytes: ${FLOOR_CASES:-all}"
-        PART=$part timeout "${FLOOR_LIMIT:-150}" python3 benchmarks/threads_floor.py \
+        PART=$part timeout "${FLOOR_LIMIT:-150}" python3 benchmarks/diagnostics/threads_floor.py \
             --cases "${FLOOR_CASES:-}" 2>&1 | grep -v "Warning\|warn" || status=1
     done
     if [ "${GIL_SPY:-1}" != 0 ] && { command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; }; then
@@ -155,9 +168,9 @@ run_floor() {
         log "py-spy --gil on ${GIL_CASE:-ours4}, partition ${GIL_PART:-4194304}"
         PART=${GIL_PART:-4194304} FLOOR_REPEAT=${GIL_REPEAT:-10} timeout 120 "$spy" record --gil \
             --rate "${GIL_RATE:-250}" --format raw ${GIL_NATIVE:+--native} --output "$OUT/gil-${GIL_CASE:-ours4}.txt" \
-            -- python3 benchmarks/threads_floor.py --cases "${GIL_CASE:-ours4}" 2>&1 \
+            -- python3 benchmarks/diagnostics/threads_floor.py --cases "${GIL_CASE:-ours4}" 2>&1 \
             | grep -v "Warning\|warn" | tail -n 5 || status=1
-        python3 benchmarks/spy_summary.py "$OUT/gil-${GIL_CASE:-ours4}.txt" --top "${GIL_TOP:-45}" || status=1
+        python3 benchmarks/diagnostics/spy_summary.py "$OUT/gil-${GIL_CASE:-ours4}.txt" --top "${GIL_TOP:-45}" || status=1
     fi
 }
 
@@ -168,7 +181,7 @@ run_demo() {
 
 run_dashboard() {
     log "dashboard snapshot capture"
-    timeout 75 python3 benchmarks/dashboard_snapshot.py capture "$OUT/overlap-gpu.json" --gib 1 --delay 0.2 \
+    timeout 75 python3 benchmarks/diagnostics/dashboard_snapshot.py capture "$OUT/dashboard-snapshot.json" --gib 1 --delay 0.2 \
         2>&1 | tail -n 3 || status=1
 }
 

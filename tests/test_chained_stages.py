@@ -1,5 +1,5 @@
-"""``benchmarks/chained_stages.py`` runs on the CPU path: both chains right, and the auto
-chain runs one cut (the second stage's), not two. No figure is asserted on."""
+"""``benchmarks/diagnostics/chained_stages.py`` runs on the CPU path: both chains right,
+and the auto chain runs one cut (the second stage's), not two. No figure is asserted on."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "diagnostics"))
 import chained_stages  # noqa: E402
 
 

@@ -1,0 +1,742 @@
+"""What the benchmark scripts share: arguments, data, the kernel, the references, timing,
+the stage ceilings, correctness, the device's name and the results files.
+
+Every script under ``benchmarks/`` and ``benchmarks/diagnostics/`` imports this module and
+the library, never another script. Timing follows DESIGN.md's "Measuring": after a
+warm-up, a timed region ends when every output chunk exists (``persist``, and on a
+cluster ``distributed.wait``), never with ``compute()`` to one array; results are
+compared element by element with the naive path's.
+
+Results: ``--json PATH`` writes a run's result as it is; ``--record [DIR]`` (default
+``benchmarks/results``) writes the benchmark's current file ``DIR/<benchmark>.json`` and
+appends one line to ``DIR/history.jsonl`` (see :func:`record`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pstats
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import dask
+import dask.array as da
+import numpy as np
+from dask.base import tokenize
+from dask.core import flatten
+from dask.highlevelgraph import HighLevelGraph
+from dask.utils import parse_bytes
+from distributed import wait
+
+import dask_overlap
+
+T = TypeVar("T")
+
+GB = 1e9
+#: float32 columns of the benchmarks' arrays: 4 KiB rows.
+COLS = 1024
+BACKENDS = ("auto", "cuda", "host", "timed")
+WORKLOADS = ("balanced", "transfer", "compute")
+#: Kernel time of one partition relative to that partition's H2D copy.
+KERNEL_RATIO = {"balanced": 1.0, "transfer": 0.0, "compute": 3.0}
+#: The top of benchmarks/: the user-facing scripts; diagnostics/ below it.
+BENCHMARKS = Path(__file__).resolve().parent
+#: Where the current results and their history live.
+RESULTS = BENCHMARKS / "results"
+HISTORY_KEYS = ("date", "commit", "device", "benchmark", "figures")
+
+
+# -- arguments ---------------------------------------------------------------------------
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser described by the first paragraph of a script's docstring."""
+    return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+
+
+def byte_count(text: str) -> int:
+    """An argparse type: a byte count such as ``256MiB`` (``dask.utils.parse_bytes``).
+
+    Examples
+    --------
+    >>> byte_count("1KiB")
+    1024
+    """
+    try:
+        return parse_bytes(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count such as 256MiB, got {text!r}"
+        ) from e
+
+
+def comma_list(text: str | None, parse: Callable[[str], T]) -> list[T]:
+    """``"a,b"`` parsed item by item; empty items skipped.
+
+    Examples
+    --------
+    >>> comma_list("1,,4", int)
+    [1, 4]
+    """
+    return [parse(t) for t in str(text or "").split(",") if t]
+
+
+def add_backend(
+    p: argparse.ArgumentParser, default: str = "auto", choices: Iterable[str] = BACKENDS
+) -> None:
+    """``--backend``: which dask_overlap backend runs the benchmark."""
+    p.add_argument("--backend", default=default, choices=list(choices), help=f"[{default}]")
+
+
+def add_repeat(p: argparse.ArgumentParser, default: int, what: str = "of each path") -> None:
+    """``--repeat``: timed runs after the warm-up; the best is kept."""
+    p.add_argument("--repeat", type=int, default=default, help=f"timed runs {what}; best kept")
+
+
+def add_output(p: argparse.ArgumentParser) -> None:
+    """``--json PATH`` (the result as it is) and ``--record [DIR]`` (see :func:`record`)."""
+    p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument(
+        "--record",
+        nargs="?",
+        const=str(RESULTS),
+        default=None,
+        metavar="DIR",
+        help="write the current file DIR/<benchmark>.json and append to DIR/history.jsonl "
+        "(DIR: benchmarks/results)",
+    )
+
+
+def save(
+    args: argparse.Namespace,
+    benchmark: str,
+    result: Any,
+    figures: dict[str, Any],
+    device: str,
+    case: str | None = None,
+) -> None:
+    """What :func:`add_output`'s options ask for: ``--json`` writes ``result``; ``--record``
+    records it as ``benchmark`` (with ``case``: as that case of the current file, whose
+    other cases stay)."""
+    write_json(args.json, result)
+    if args.record:
+        path = Path(args.record) / f"{benchmark}.json"
+        if case is None:
+            record(benchmark, figures, device, path, result)
+        else:
+            record(benchmark, {case: figures}, device, path, {case: result}, merge=True)
+
+
+# -- results -----------------------------------------------------------------------------
+
+
+def write_json(path: str | os.PathLike | None, data: Any) -> None:
+    """Write ``data`` to ``path`` (creating its folder); nothing when ``path`` is None."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+
+
+def git_commit() -> str | None:
+    """``git rev-parse --short HEAD`` of this checkout (uncommitted changes not told
+    apart), or ``None`` where there is no git or no repository (a copy on the GPU machine)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(RESULTS.parent), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def record(
+    benchmark: str,
+    figures: dict[str, Any],
+    device: str,
+    path: str | os.PathLike,
+    result: Any = None,
+    *,
+    merge: bool = False,
+    history: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Write ``benchmark``'s current file at ``path`` and append a line to its history.
+
+    The history (``history``, default ``history.jsonl`` beside ``path``) gets one JSON
+    object a line with ``date`` (UTC), ``commit`` (:func:`git_commit`), ``device``,
+    ``benchmark`` and ``figures``, the run's headline numbers. The current file holds the
+    same keys and ``result``, the run's whole result. With ``merge``, a current file of the
+    same benchmark and device keeps its other entries: ``figures`` and ``result`` are dicts
+    keyed alike (a case each) and this run's keys replace theirs. (Lines backfilled from
+    the files that were there before also say ``source``, ``REV:PATH`` for ``git show``,
+    and some a ``note``.)
+
+    Returns the history line.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> line = record("demo", {"gbps": 1.5}, "cpu", f"{folder}/demo.json", {"gbps": 1.5})
+    >>> sorted(line) == sorted(HISTORY_KEYS)
+    True
+    """
+    path = Path(path)
+    line = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": git_commit(),
+        "device": device,
+        "benchmark": benchmark,
+        "figures": figures,
+    }
+    current = {**line, "result": result}
+    if merge and path.exists():
+        old = json.loads(path.read_text())
+        if (old.get("benchmark"), old.get("device")) == (benchmark, device):
+            current["figures"] = {**old.get("figures", {}), **figures}
+            current["result"] = {**(old.get("result") or {}), **(result or {})}
+    write_json(path, current)
+    history = Path(history) if history is not None else path.parent / "history.jsonl"
+    with open(history, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return line
+
+
+def gpu_test_counts(log: str) -> dict[str, int | bool]:
+    """Passed, failed, skipped (and errors) of a pytest log, summed over its summary lines
+    (a log may hold several runs); a log cut before its summary (``complete`` false)
+    counts its progress marks.
+
+    Examples
+    --------
+    >>> gpu_test_counts("== 1 failed, 9 passed, 2 skipped, 40 deselected in 3.1s ==")
+    {'passed': 9, 'failed': 1, 'skipped': 2, 'errors': 0, 'complete': True}
+    """
+    counts: dict[str, int | bool] = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    lines = [line for line in log.splitlines() if not line.startswith("#")]
+    summaries = [
+        line
+        for line in lines
+        if re.search(r"\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s", line)
+    ]
+    for line in summaries:
+        for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", line):
+            counts["errors" if word.startswith("error") else word] += int(n)
+    if not summaries:  # cut short: count the progress marks ("..s.F... [ 48%]")
+        for line in lines:
+            marks = re.fullmatch(r"([.sFE]+)(\s+\[\s*\d+%\])?", line.strip())
+            if marks:
+                for mark, key in (
+                    (".", "passed"),
+                    ("s", "skipped"),
+                    ("F", "failed"),
+                    ("E", "errors"),
+                ):
+                    counts[key] += marks.group(1).count(mark)
+    counts["complete"] = bool(summaries)
+    return counts
+
+
+def run_script(
+    script: str | os.PathLike,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    profile: int = 0,
+) -> Any:
+    """Run another benchmark script in a process of its own (scripts do not import each
+    other) with ``argv``, and return the result it wrote with ``--json``.
+
+    ``env`` is added to this process's environment (``DASK_OVERLAP__...`` settings reach
+    the script's ``dask.config``). ``profile`` N: run it under cProfile and print its top N
+    functions by own time. Its output goes where this process's goes.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out, prof = Path(tmp) / "result.json", Path(tmp) / "profile"
+        cmd = [sys.executable, *(["-m", "cProfile", "-o", str(prof)] if profile else [])]
+        sys.stdout.flush()
+        subprocess.run(
+            [*cmd, str(script), *argv, "--json", str(out)],
+            check=True,
+            env={**os.environ, **(env or {})},
+        )
+        if profile:
+            pstats.Stats(str(prof)).sort_stats("tottime").print_stats(profile)
+        return json.loads(out.read_text())
+
+
+# -- the device --------------------------------------------------------------------------
+
+
+def device_name(backend: str = "cuda") -> str:
+    """The card a run used, as ``nvidia-smi`` names it (the first visible GPU), or
+    ``"cpu"`` for a backend that is not ``cuda``."""
+    if backend != "cuda":
+        return "cpu"
+    cmd = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if visible:
+        cmd += ["-i", visible]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    names = [line.strip() for line in out.splitlines() if line.strip()]
+    if names:
+        return names[0]
+    import cupy  # no nvidia-smi (a container without it): ask CUDA
+
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def runtime_device() -> str:
+    """:func:`device_name` of this process's runtime (run it on a worker to name its card)."""
+    return device_name(dask_overlap.get_runtime().name)
+
+
+# -- data --------------------------------------------------------------------------------
+
+
+def random_data(shape: tuple[int, int], threads: int = 16) -> np.ndarray:
+    """Float32 random data in ordinary memory, made by several threads (NumPy's
+    generators release the GIL); the same data for the same shape."""
+    out = np.empty(shape, np.float32)
+    bounds = np.linspace(0, shape[0], threads + 1).astype(int)
+
+    def fill(k: int) -> None:
+        rng = np.random.default_rng(k)
+        rng.random(out=out[bounds[k] : bounds[k + 1]], dtype=np.float32)
+
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(fill, range(threads)))
+    return out
+
+
+def array_of_views(host: np.ndarray, rows_per_part: int) -> da.Array:
+    """A dask array whose chunks are views of ``host`` (``from_array`` would copy them,
+    and a copy of pinned input is pageable)."""
+    name = f"input-{tokenize(host.shape, host.dtype, id(host))}"
+    starts = range(0, host.shape[0], rows_per_part)
+    dsk = {(name, i, 0): host[s : s + rows_per_part] for i, s in enumerate(starts)}
+    chunks = (tuple(min(rows_per_part, host.shape[0] - s) for s in starts), (host.shape[1],))
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
+    return da.Array(graph, name, chunks, meta=np.empty((0, 0), host.dtype))
+
+
+def pinned_copy(rt: Any, host: np.ndarray) -> np.ndarray:
+    """``host`` copied into pinned memory: page-locked by CUDA on the GPU (outside the
+    pool, as a user's pinned data would be), a block of the pool elsewhere."""
+    if rt.name == "cuda":
+        import cupyx
+
+        pinned = cupyx.empty_pinned(host.shape, host.dtype)
+    else:
+        block = rt.backend.pinned.allocate(host.nbytes)
+        if block is None:
+            raise SystemExit("the pinned pool cannot hold the input; raise its size")
+        pinned = block.view(host.dtype).reshape(host.shape)
+    pinned[...] = host
+    return pinned
+
+
+# -- the kernel --------------------------------------------------------------------------
+
+
+@functools.cache
+def _fused() -> Any:
+    # One fused CuPy kernel whose length is an argument: a Python loop of CuPy operations
+    # would measure the host's launch rate, not the GPU. It lives in this importable
+    # module, made on first use: a kernel defined in __main__ is copied when Dask pickles
+    # the task (dask_overlap/backends/cuda.py, "the __main__ kernel trap").
+    import cupy
+
+    return cupy.ElementwiseKernel(
+        "float32 x, int32 n",
+        "float32 y",
+        """
+        float v = x * 1.0001f + 0.5f;
+        for (int k = 0; k < n; ++k) {
+            v = v * 0.9999f + 0.25f;
+        }
+        y = v;
+        """,
+        "dask_overlap_bench_kernel",
+    )
+
+
+def make_kernel(iterations: int) -> Callable[[Any], Any]:
+    """The benchmarks' kernel: elementwise, with ``iterations`` extra multiply-adds per
+    element; a loop of vectorised passes on NumPy, one launch on CuPy.
+
+    Examples
+    --------
+    >>> make_kernel(0)(np.zeros(2, np.float32)).tolist()
+    [0.5, 0.5]
+    """
+
+    def kernel(x: Any) -> Any:
+        if isinstance(x, np.ndarray):
+            y = x * np.float32(1.0001) + np.float32(0.5)
+            for _ in range(iterations):
+                y = y * np.float32(0.9999) + np.float32(0.25)
+            return y
+        return _fused()(x, np.int32(iterations))
+
+    kernel.__name__ = f"kernel{iterations}"
+    return kernel
+
+
+# -- the references ----------------------------------------------------------------------
+
+
+def naive_block(block: np.ndarray, kernel: Callable, backend: str | None = None) -> np.ndarray:
+    """One block the usual way, on the runtime's backend: ``cp.asnumpy(f(cp.asarray(b)))``
+    on the GPU, its NumPy form on the host backends."""
+    return dask_overlap.get_runtime(backend).backend.naive(kernel, block)
+
+
+def naive(x: da.Array, kernel: Callable, backend: str | None = None) -> da.Array:
+    """The naive Dask path: ``x.map_blocks`` of :func:`naive_block` (on a worker, its
+    runtime's backend; elsewhere ``backend``, default ``overlap.backend``)."""
+    return da.map_blocks(naive_block, x, kernel=kernel, backend=backend, dtype=x.dtype)
+
+
+_PIECE = 4 << 20
+
+
+def _pieces(rows: int, row_bytes: int, threads: int) -> list[tuple[int, int]]:
+    n = max(1, min(threads, rows * row_bytes // _PIECE, rows))
+    bounds = [rows * k // n for k in range(n + 1)]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+def run_handwritten(
+    host: np.ndarray, rows_per_chunk: int, func: Callable[[Any], Any], in_flight: int, threads: int
+) -> tuple[float, list[np.ndarray]]:
+    """The hand-written default path, no Dask, no dask_overlap (CUDA only): the anchor.
+
+    Pageable input in, fresh NumPy arrays out, as a user has them. One loop over chunks of
+    ``rows_per_chunk`` rows, ``in_flight`` slots, each a pinned input buffer, a pinned
+    output buffer and a stream. Per chunk: wait until the slot's last chunk is unstaged;
+    ``threads`` threads copy the chunk into the slot's pinned input; on its stream H2D, the
+    kernel, D2H into its pinned output, an event; off the loop, a waiter thread waits for
+    the event and the same threads copy the output into a fresh ``np.empty`` chunk. So
+    staging chunk i+1 overlaps the GPU work of chunk i and the unstaging of chunk i-1.
+
+    Returns the seconds until every output chunk exists, and the chunks.
+    """
+    import cupy as cp
+    import cupyx
+
+    shape = (rows_per_chunk, *host.shape[1:])
+    row_bytes = host[:1].nbytes
+    slots = [
+        {
+            "pin_in": cupyx.empty_pinned(shape, host.dtype),
+            "pin_out": cupyx.empty_pinned(shape, host.dtype),
+            "dev": cp.empty(shape, host.dtype),
+            "stream": cp.cuda.Stream(non_blocking=True),
+            "done": None,  # futures of the slot's last unstaging
+        }
+        for _ in range(in_flight)
+    ]
+    copies = ThreadPoolExecutor(threads)
+    waiter = ThreadPoolExecutor(1)
+    outputs: list[np.ndarray] = []
+
+    def unstage(event: Any, src: np.ndarray, dst: np.ndarray) -> list[Future]:
+        event.synchronize()
+        return [
+            copies.submit(np.copyto, dst[lo:hi], src[lo:hi])
+            for lo, hi in _pieces(len(src), row_bytes, threads)
+        ]
+
+    start = time.perf_counter()
+    for c, lo in enumerate(range(0, host.shape[0], rows_per_chunk)):
+        hi = min(lo + rows_per_chunk, host.shape[0])
+        slot = slots[c % in_flight]
+        if slot["done"] is not None:
+            wait_futures(slot["done"].result())
+        src = host[lo:hi]
+        pin_in, pin_out = slot["pin_in"][: hi - lo], slot["pin_out"][: hi - lo]
+        wait_futures(
+            [
+                copies.submit(np.copyto, pin_in[a:b], src[a:b])
+                for a, b in _pieces(hi - lo, row_bytes, threads)
+            ]
+        )
+        stream = slot["stream"]
+        with stream:
+            dev = slot["dev"][: hi - lo]
+            dev.set(pin_in, stream=stream)
+            out = func(dev)
+            out.get(stream=stream, out=pin_out, blocking=False)
+            event = stream.record()
+        result = np.empty(pin_out.shape, pin_out.dtype)
+        outputs.append(result)
+        slot["done"] = waiter.submit(unstage, event, pin_out, result)
+    for slot in slots:
+        if slot["done"] is not None:
+            wait_futures(slot["done"].result())
+    seconds = time.perf_counter() - start
+    copies.shutdown()
+    waiter.shutdown()
+    return seconds, outputs
+
+
+# -- timing and correctness --------------------------------------------------------------
+
+
+def persist_timed(arr: da.Array, client: Any = None, **persist_kw: Any) -> tuple[float, Any]:
+    """Seconds until every chunk of ``arr`` exists, and the persisted array: ``dask.persist``
+    (``persist_kw``: its scheduler), or on ``client`` ``persist`` and ``distributed.wait``."""
+    t0 = time.perf_counter()
+    if client is None:
+        (done,) = dask.persist(arr, **persist_kw)
+    else:
+        done = client.persist(arr, **persist_kw)
+        wait(done)
+    return time.perf_counter() - t0, done
+
+
+def persist_chunks(arr: da.Array, **persist_kw: Any) -> tuple[float, list[np.ndarray]]:
+    """:func:`persist_timed` on a local scheduler, and the chunks (in block order)."""
+    seconds, done = persist_timed(arr, **persist_kw)
+    graph = done.__dask_graph__()
+    return seconds, [np.asarray(graph[k]) for k in flatten(done.__dask_keys__())]
+
+
+def best_of(run: Callable[[], tuple[float, T]], repeat: int) -> tuple[float, T]:
+    """The best seconds of ``repeat`` calls of ``run`` (each returns seconds and a value)
+    and the last call's value; each value is let go before the next call."""
+    best, value = float("inf"), None
+    for _ in range(repeat):
+        value = None  # the last run's chunks go before the next run
+        seconds, value = run()
+        best = min(best, seconds)
+    return best, value
+
+
+def best_persist(arr: da.Array, repeat: int, **persist_kw: Any) -> tuple[float, list]:
+    """The best of ``repeat`` :func:`persist_chunks`, and the last run's chunks."""
+    return best_of(lambda: persist_chunks(arr, **persist_kw), repeat)
+
+
+def warm_up(*arrays: da.Array, blocks: int = 2, **persist_kw: Any) -> None:
+    """Persist the first ``blocks`` row blocks of each array, one after the other:
+    compilation, pool creation and first touch stay out of the numbers."""
+    for arr in arrays:
+        dask.persist(arr[: blocks * arr.chunks[0][0]], **persist_kw)
+
+
+def same_chunks(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    """Element-by-element equality of two lists of row blocks, whatever their cuts (a
+    batch's blocks are several of the naive path's), without joining either.
+
+    Examples
+    --------
+    >>> x = np.arange(6).reshape(6, 1)
+    >>> same_chunks([x[:2], x[2:]], [x[:3], x[3:]])
+    True
+    """
+    i = j = at_a = at_b = 0
+    while i < len(a) and j < len(b):
+        n = min(len(a[i]) - at_a, len(b[j]) - at_b)
+        if not np.array_equal(a[i][at_a : at_a + n], b[j][at_b : at_b + n]):
+            return False
+        at_a, at_b = at_a + n, at_b + n
+        if at_a == len(a[i]):
+            i, at_a = i + 1, 0
+        if at_b == len(b[j]):
+            j, at_b = j + 1, 0
+    return all(len(x) == 0 for x in a[i:]) and all(len(y) == 0 for y in b[j:])
+
+
+def engine_busy(spans: Iterable, start: float, end: float) -> dict[str, float]:
+    """Per stage, the fraction of ``[start, end]`` covered by at least one of its spans.
+
+    A stream's span starts when the stream reaches it, which may be before its engine
+    takes it up, so this is an upper bound on each engine's busy time: where it is low,
+    that engine sat idle for certain.
+    """
+    spans = list(spans)
+    out = {}
+    for stage in sorted({s.stage for s in spans}):
+        covered, reach = 0.0, start
+        for s in sorted((s for s in spans if s.stage == stage), key=lambda s: s.start):
+            lo, hi = max(s.start, reach), min(s.end, end)
+            if hi > lo:
+                covered += hi - lo
+            reach = max(reach, s.end)
+        out[stage] = covered / (end - start) if end > start else 0.0
+    return out
+
+
+# -- stage ceilings ----------------------------------------------------------------------
+
+#: Host copy rates are measured on at least this many bytes: the rate of the many copies
+#: a run makes, not one small copy's hand-off latency.
+PROBE_BYTES = 64 << 20
+
+
+def _best(fn: Callable[[], Any], repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _iterations(one_pass: float, base: float, target: float) -> int:
+    """Iterations of the kernel loop so that ``base + n * one_pass`` is about ``target``."""
+    if target <= base or one_pass <= 0:
+        return 0
+    return max(0, round((target - base) / one_pass))
+
+
+def parallel_copy_rate(
+    src: np.ndarray, dst: np.ndarray | None, threads: int, repeat: int = 3
+) -> float:
+    """Bytes per second of ``threads`` threads copying ``src`` into ``dst`` in slices
+    (the best of ``repeat``). ``dst`` ``None``: into a new array each time, whose pages
+    the copy faults in, as it does a partition's fresh result."""
+    parts = np.array_split(np.arange(src.shape[0]), threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(repeat):
+            out = np.empty_like(src) if dst is None else dst
+
+            def copy(idx: np.ndarray, out: np.ndarray = out) -> None:
+                if len(idx):
+                    np.copyto(out[idx[0] : idx[-1] + 1], src[idx[0] : idx[-1] + 1])
+
+            t0 = time.perf_counter()
+            list(ex.map(copy, parts))
+            best = min(best, time.perf_counter() - t0)
+            del out
+    return src.nbytes / best
+
+
+def _host_rates(pinned: np.ndarray, threads: int) -> dict[str, float]:
+    """``staging`` (pageable into the ring) and ``fresh`` (the ring into a new result)
+    rates, on ``pinned``, a ring block of at least :data:`PROBE_BYTES`."""
+    flat = pinned.view(np.uint8)
+    pageable = np.ones_like(flat)
+    return {
+        "staging": parallel_copy_rate(pageable, flat, threads),
+        "fresh": parallel_copy_rate(flat, None, threads),
+    }
+
+
+def _timed_ceilings(rt: Any, block: np.ndarray) -> tuple[dict, float, int]:
+    m = rt.backend.model
+    ceilings = {
+        "h2d": m.h2d_bandwidth,
+        "d2h": m.d2h_bandwidth,
+        "staging": m.staging_bandwidth * rt.copy_threads,
+    }
+    return ceilings, m.kernel_time(block.nbytes), 0
+
+
+def _host_ceilings(rt: Any, block: np.ndarray, ratio: float) -> tuple[dict, float, int]:
+    dst = np.empty_like(block)
+    copy = block.nbytes / _best(lambda: np.copyto(dst, block))
+    ceilings = {"h2d": copy, "d2h": copy, "host_cores": float(os.cpu_count() or 1)}
+    ceilings.update(_host_rates(np.empty(max(block.nbytes, PROBE_BYTES), np.uint8), 1))
+    base = _best(lambda: make_kernel(0)(block))
+    one = _best(lambda: make_kernel(1)(block)) - base
+    iterations = _iterations(one, base, ratio * block.nbytes / copy)
+    return ceilings, _best(lambda: make_kernel(iterations)(block)), iterations
+
+
+def _cuda_ceilings(rt: Any, block: np.ndarray, ratio: float) -> tuple[dict, float, int]:
+    import cupy as cp
+
+    pool = rt.backend.pinned
+    n = block.nbytes
+    pin_in = pool.allocate(n)
+    pin_out = pool.allocate(n)
+    if pin_in is None or pin_out is None:
+        raise RuntimeError("the pinned pool cannot hold two partitions for the ceilings")
+    pin_in = pin_in.view(block.dtype).reshape(block.shape)
+    pin_out = pin_out.view(block.dtype).reshape(block.shape)
+    pin_in[...] = block
+    dev_a = cp.empty(block.shape, block.dtype)
+    dev_b = cp.empty(block.shape, block.dtype)
+    s1 = cp.cuda.Stream(non_blocking=True)
+    s2 = cp.cuda.Stream(non_blocking=True)
+
+    def timed(fn: Callable[[], None]) -> float:
+        best = float("inf")
+        for _ in range(5):
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            fn()
+            cp.cuda.Device().synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    h2d = n / timed(lambda: dev_a.set(pin_in, stream=s1))
+    d2h = n / timed(lambda: dev_b.get(stream=s2, out=pin_out, blocking=False))
+
+    def both() -> None:
+        dev_a.set(pin_in, stream=s1)
+        dev_b.get(stream=s2, out=pin_out, blocking=False)
+
+    both_rate = 2 * n / timed(both)
+    probe = pool.allocate(max(n, PROBE_BYTES))
+    if probe is None:
+        raise RuntimeError("the pinned pool cannot hold the host copies' probe")
+    host = _host_rates(probe, rt.copy_threads)
+    del probe
+
+    def kernel_seconds(iterations: int) -> float:
+        k = make_kernel(iterations)
+        k(dev_a)  # compile
+        return timed(lambda: k(dev_a))
+
+    # The fused kernel's cost per iteration is small (one multiply-add per element):
+    # probe with enough iterations to rise clear of the memory-bound base time.
+    base = kernel_seconds(0)
+    probe_iterations = 1024
+    one = (kernel_seconds(probe_iterations) - base) / probe_iterations
+    iterations = _iterations(one, base, ratio * n / h2d)
+    ceilings = {"h2d": h2d, "d2h": d2h, "both": both_rate, **host}
+    return ceilings, kernel_seconds(iterations), iterations
+
+
+def measure_ceilings(rt: Any, block: np.ndarray, workload: str) -> tuple[dict, float, int]:
+    """Stage ceilings for a run's bound, measured (or, on ``timed``, modelled) in this run.
+
+    ``block`` is one partition of the input. Returns the rates in bytes per second
+    (``h2d``, ``d2h``, ``both`` when the two directions were measured together,
+    ``staging`` for pageable input into the ring, ``fresh`` for results out of it into new
+    arrays, both with the copy threads on at least :data:`PROBE_BYTES`; ``host_cores`` on
+    the host backend), the kernel's seconds for one partition, and the kernel iterations
+    chosen so that the kernel takes ``KERNEL_RATIO[workload]`` times one partition's H2D.
+    """
+    ratio = KERNEL_RATIO[workload]
+    name = rt.backend.name
+    if name == "timed":
+        return _timed_ceilings(rt, block)
+    if name == "cuda":
+        return _cuda_ceilings(rt, block, ratio)
+    return _host_ceilings(rt, block, ratio)

@@ -1,0 +1,198 @@
+"""The benchmark harness: ``benchmarks/common.py``'s results files, the rule that no script
+imports another, and every CPU-runnable benchmark run on the CPU path, each in a process of
+its own (they set ``dask.config`` for the whole process), through its ``--record``. Counts,
+structure and correctness are asserted on, never a figure (a shared machine times nothing
+reliably)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import common  # noqa: E402
+
+SCRIPTS = sorted([*BENCHMARKS.glob("*.py"), *BENCHMARKS.glob("diagnostics/*.py")])
+
+
+def history(folder: Path) -> list[dict]:
+    lines = (folder / "history.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_record_writes_the_current_file_and_appends_one_history_line(tmp_path):
+    result = {"gbps": 2.5, "runs": [1, 2]}
+    line = common.record("demo", {"gbps": 2.5}, "cpu", tmp_path / "demo.json", result)
+    (written,) = history(tmp_path)
+    assert written == line
+    assert tuple(written) == common.HISTORY_KEYS
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", written["date"])
+    assert written["commit"] == common.git_commit()  # this checkout's, or None without git
+    assert (written["device"], written["benchmark"], written["figures"]) == (
+        "cpu",
+        "demo",
+        {"gbps": 2.5},
+    )
+    assert json.loads((tmp_path / "demo.json").read_text()) == {**line, "result": result}
+    # A second run replaces the current file and adds a line; the first line stays.
+    common.record("demo", {"gbps": 3.0}, "cpu", tmp_path / "demo.json", {"gbps": 3.0})
+    assert [h["figures"]["gbps"] for h in history(tmp_path)] == [2.5, 3.0]
+    assert json.loads((tmp_path / "demo.json").read_text())["result"] == {"gbps": 3.0}
+
+
+def test_a_case_replaces_only_itself_in_the_current_file(tmp_path):
+    path = tmp_path / "overlap.json"
+    common.record("overlap", {"a": {"x": 1}}, "gpu", path, {"a": 1}, merge=True)
+    common.record("overlap", {"b": {"x": 2}}, "gpu", path, {"b": 2}, merge=True)
+    common.record("overlap", {"a": {"x": 3}}, "gpu", path, {"a": 3}, merge=True)
+    current = json.loads(path.read_text())
+    assert current["result"] == {"a": 3, "b": 2}
+    assert current["figures"] == {"a": {"x": 3}, "b": {"x": 2}}
+    # Another device's run is not merged with this one's cases.
+    common.record("overlap", {"c": {"x": 4}}, "cpu", path, {"c": 4}, merge=True)
+    assert json.loads(path.read_text())["result"] == {"c": 4}
+    assert len(history(tmp_path)) == 4
+
+
+def test_gpu_test_counts_sum_the_summaries_or_count_the_marks_of_a_cut_log():
+    log = (
+        "# a note: 19 passed in 8.23s\n"
+        "....F..s [100%]\n"
+        "==== 1 failed, 6 passed, 1 skipped, 40 deselected in 3.10s ====\n"
+        "12 passed, 2 errors in 1.00s\n"
+    )
+    assert common.gpu_test_counts(log) == {
+        "passed": 18,
+        "failed": 1,
+        "skipped": 1,
+        "errors": 2,
+        "complete": True,
+    }
+    cut = "....................s [ 48%]\n..F.\n"
+    assert common.gpu_test_counts(cut) == {
+        "passed": 23,
+        "failed": 1,
+        "skipped": 1,
+        "errors": 0,
+        "complete": False,
+    }
+
+
+def test_the_results_folder_is_current_files_and_a_history():
+    lines = history(common.RESULTS)
+    for line in lines:  # backfilled lines also say where they came from
+        assert set(common.HISTORY_KEYS) <= set(line) <= {*common.HISTORY_KEYS, "source", "note"}
+        assert re.match(r"\d{4}-\d\d-\d\d", line["date"]) and isinstance(line["figures"], dict)
+    benchmarks = {line["benchmark"] for line in lines}
+    assert {"default-path", "overlap", "cross-worker", "gpu-tests"} <= benchmarks
+    current = set()
+    for path in (p for p in common.RESULTS.iterdir() if p.suffix != ".log"):  # logs: untracked
+        assert not re.search(r"\d{4}-\d\d-\d\d", path.name), f"a dated name: {path.name}"
+        data = json.loads(path.read_text()) if path.suffix == ".json" else None
+        if isinstance(data, dict) and "benchmark" in data:  # written by common.record
+            assert set(data) == {*common.HISTORY_KEYS, "result"}, path.name
+            assert data["benchmark"] == path.stem
+            current.add(path.stem)
+    assert current == benchmarks  # each benchmark of the history has its current file
+
+
+def test_no_benchmark_script_imports_another():
+    names = {p.stem for p in SCRIPTS} - {"common"}
+    assert {"bench_default", "bench_overlap", "chained_stages"} <= names  # found them
+    for path in SCRIPTS:
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+        assert not imported & names, f"{path.relative_to(BENCHMARKS)} imports {imported & names}"
+
+
+def run(script: str, *argv: str, record: Path) -> dict:
+    """``script`` run with ``--record record``: the result it wrote."""
+    return common.run_script(BENCHMARKS / script, [*argv, "--record", str(record)])
+
+
+@pytest.mark.timeout(120)
+def test_bench_default_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    argv = ["--size", "16MiB", "--partition", "4MiB", "--no-gaussian", "--repeat", "1"]
+    result = run("bench_default.py", *argv, record=tmp_path)
+    assert result["correct"] is True and result["device"] == "cpu"
+    assert result["size_bytes"] == 16 << 20 and result["handwritten"] == []  # CUDA only
+    (line,) = history(tmp_path)
+    assert line["benchmark"] == "default-path" and line["figures"]["correct"] is True
+    current = json.loads((tmp_path / "default-path.json").read_text())
+    assert current["result"] == result
+
+
+@pytest.mark.timeout(120)
+def test_bench_overlap_records_its_cases_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    argv = ["--backend", "host", "--size", "8MiB", "--partition", "2MiB", "--threads", "2"]
+    pageable = run("bench_overlap.py", *argv, record=tmp_path)
+    pinned = run("bench_overlap.py", *argv, "--pinned-input", "--case", "p", record=tmp_path)
+    assert pageable["correct"] is True and pinned["correct"] is True
+    assert (pageable["partitions"], pinned["input"]) == (4, "pinned")
+    current = json.loads((tmp_path / "overlap-host.json").read_text())
+    assert set(current["result"]) == {"balanced-pageable", "p"}
+    assert [h["benchmark"] for h in history(tmp_path)] == ["overlap-host"] * 2
+
+
+@pytest.mark.timeout(120)
+def test_host_overhead_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = run("host_overhead.py", "--partitions", "40", "--repeat", "1", record=tmp_path)
+    assert result["partitions"] == 40 and result["partition_bytes"] == 64 << 10
+    (line,) = history(tmp_path)
+    assert line["benchmark"] == "host-overhead" and line["device"] == "cpu"
+    assert set(line["figures"]) == set(result) - {"backend"}
+
+
+@pytest.mark.timeout(180)
+def test_bench_cluster_and_its_scaling_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    argv = ["--allow-cpu", "--workers", "1", "--threads", "1", "--size", "8MiB"]
+    argv += ["--partition", "2MiB", "--repeat", "1", "--iterations", "2"]
+    (row,) = run("bench_cluster.py", *argv, record=tmp_path)
+    assert row["correct"] is True and row["iterations"] == 2 and row["partitions"] == 4
+    (line,) = history(tmp_path)
+    assert line["benchmark"] == "cluster-1-workers"
+    assert line["figures"]["threads=1"]["correct"] is True
+    # bench_scaling.py runs bench_cluster.py once per worker count and mode.
+    scaling = common.run_script(
+        BENCHMARKS / "diagnostics" / "bench_scaling.py",
+        ["--workers", "1", "--threads", "1", "--size", "4MiB", "--partition", "2MiB"]
+        + ["--backend", "host", "--allow-cpu"],
+    )
+    assert [len(scaling[m]) for m in ("weak", "strong")] == [1, 1]
+    assert all(r["correct"] and r["efficiency"] == 1.0 for m in scaling.values() for r in m)
+
+
+@pytest.mark.timeout(180)
+def test_small_partitions_runs_bench_overlap_per_case_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    argv = ["--backend", "host", "--sizes", "64KiB", "--threads", "2", "--repeat", "1"]
+    script = "diagnostics/small_partitions.py"
+    result = run(script, *argv, "--direct-off", "--batch", "4", record=tmp_path)
+    row = result["sizes"]["64KiB"]  # 256 blocks of 64 KiB, by default and with batch=4
+    assert (row["partitions"], row["batch"], row["batch_4"]["batch"]) == (256, "auto", 4)
+    assert row["correct"] and row["batch_4"]["correct"] and row["through_the_ring"]["correct"]
+    (line,) = history(tmp_path)
+    assert set(line["figures"]["out_host"]) == {"64KiB", "64KiB through_the_ring", "64KiB batch_4"}
+
+
+def test_ceilings_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = common.run_script(
+        BENCHMARKS / "diagnostics" / "ceilings.py", ["--backend", "host", "--partition", "4MiB"]
+    )
+    assert result["device"] == "cpu" and result["partition_bytes"] == 4 << 20
+    assert {"h2d", "d2h", "staging", "fresh"} <= set(result["rates_gbps"])
