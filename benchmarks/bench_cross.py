@@ -12,7 +12,7 @@ earlier run's ``y`` is left anywhere, and times, until every chunk exists, stage
 - local: ``other`` is ``y``, so each task's inputs are on its own worker;
 - local_reordered: ``other`` is ``y`` through the layer that reverses it in crossing,
   with its blocks in their own order: all local, and the same graph as crossing (a layer
-  of aliases, which the partitions now read through: ``dask_overlap.graph.aliases``; before,
+  of aliases, which the partitions now read through: ``dask_overlap.graph.rewrite``; before,
   each alias was a task and a scheduling round), so crossing over this is what crossing
   workers costs;
 - crossing: ``other`` is ``y`` with its blocks reversed, so task ``i`` adds blocks ``i``

@@ -5,7 +5,7 @@ exclusive, so no run can beat its slowest engine: that bound is asserted (a run 
 loaded machine is only slower). How close a run comes to it, and how much faster than the
 naive path, is a measurement on a shared machine, not a test: ``python
 benchmarks/bench_overlap.py --backend timed`` reports both (``overlap_over_bound``, the naive
-seconds; results in ``benchmarks/results/bench-timed-*.json``). Here the overlap is asserted
+seconds; results in ``benchmarks/results/overlap-timed.json``). Here the overlap is asserted
 as counts and orderings of the recorded spans.
 """
 

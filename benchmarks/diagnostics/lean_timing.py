@@ -27,8 +27,7 @@ import numpy as np
 
 import dask_overlap
 from dask_overlap.backends import cuda
-from dask_overlap.graph import map_blocks as array
-from dask_overlap.pipeline import output, partition
+from dask_overlap.pipeline import executors, output, task, work
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import array_of_views, make_kernel  # noqa: E402
@@ -68,17 +67,17 @@ def main() -> None:
         (cuda.CudaStream, ("run",)),
         (cuda.PinnedPool, ("allocate", "reserve")),
         (
-            partition._PartitionRun,
-            ("__init__", "_copy_now", "_settle", "_drop", "_admit", "_resolve_marks"),
+            work.PartitionWork,
+            ("__init__", "settle", "drop", "admit", "device_done", "record"),
         ),
-        (partition._LeanRun, ("run",)),
+        (executors.InlineExecutor, ("start",)),
         (output.PartitionOutput, ("slot",)),
         (type(rt), ("acquire_stream", "release_stream", "record_spans")),
     )
     for cls, names in timed_names:
         for name in names:
             setattr(cls, name, timed(f"{cls.__name__}.{name}", getattr(cls, name)))
-    array.run_partition = timed("run_partition", array.run_partition)  # the task's call
+    task.run_partition = timed("run_partition", task.run_partition)  # the task's call
     scheduler = {"num_workers": args.threads} if args.threads else {"scheduler": "sync"}
     y = dask_overlap.map_blocks(f, x, dtype=np.float32, out=args.out)
     dask.persist(y, **scheduler)  # warm

@@ -177,7 +177,7 @@ class PinnedPool(HostPool):
     them (kept blocks take a quarter of it at most, so that they cannot fragment it), so
     that the usual small block costs no call into RMM, where calls from several threads
     wait for each other: 55 µs a block with four threads at it, where one thread takes
-    13 (``benchmarks/call_costs.py``, H200). Kept blocks are still RMM's, inside its
+    13 (``benchmarks/diagnostics/call_costs.py``, H200). Kept blocks are still RMM's, inside its
     fixed size: when RMM cannot serve a request, they all go back to it and it is asked
     again. The pool's budget (``HostPool``) is charged as before, so kept blocks never
     count as in use.
@@ -448,7 +448,7 @@ class _Scratch:
     goes back to the cache of the stream it was allocated on, and the next allocation of
     that size on that stream takes it, with no call into RMM or the driver. On four
     threads such a call costs 10 µs of wall where an RMM allocation costs 130-190
-    (``benchmarks/call_costs.py``, H200): calls into RMM and the driver from several
+    (``benchmarks/diagnostics/call_costs.py``, H200): calls into RMM and the driver from several
     threads wait for each other. The cache only ever holds blocks of work that has
     ended, so it is emptied into RMM once no partition has run for a moment (the
     runtime's trimmer calls :meth:`CudaBackend.trim`), and when RMM is short of memory.
@@ -594,7 +594,7 @@ class CudaBackend:
         self.pinned = PinnedPool(options.pinned_pool_size, self.device_id)
         self._names = itertools.count()
         # Timing events around every copy and kernel, for pictures of the assembly line
-        # (benchmarks/timeline_cuda.py); off unless started.
+        # (benchmarks/diagnostics/timeline_cuda.py); off unless started.
         self.trace = EventTrace(self._device)
         self._marks: list[Any] = []  # timing events resolved and free for reuse
         # id(array owning its memory) -> (weakref to it, whether it is pinned)

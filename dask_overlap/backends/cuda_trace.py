@@ -1,5 +1,5 @@
 """Timing events around every copy and kernel of the cuda backend, for pictures of the
-assembly line (``benchmarks/timeline_cuda.py``): off unless started, and then one pair
+assembly line (``benchmarks/diagnostics/timeline_cuda.py``): off unless started, and then one pair
 of events per copy or kernel, read once the trace is stopped.
 
 The runner's own stage timings (a few marks per sub-chunk, for the timeline and the

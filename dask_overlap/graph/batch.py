@@ -77,7 +77,7 @@ def auto_batch(
 
     The size is the one below which a partition is never cut into sub-chunks, and on the
     H200 partitions of it ran at 0.77-0.82 of the bound where 4 and 16 MiB ones ran at
-    0.15-0.49 (``benchmarks/small_partitions.py``). It never leaves fewer than
+    0.15-0.49 (``benchmarks/diagnostics/small_partitions.py``). It never leaves fewer than
     ``AUTO_MIN_PARTITIONS`` partitions: a small array's blocks stay spread over the
     cluster's workers and a worker's threads.
 

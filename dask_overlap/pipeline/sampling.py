@@ -6,7 +6,7 @@ the driver that a one-sub-chunk partition makes. Each such call gives the GIL up
 then waits to get it back behind the other task threads. On an H200 with 16 MiB
 partitions on four Dask threads, the task threads spent 17% of their time in those
 eight calls, most of it waiting for the GIL (``py-spy record --native --idle``, see
-``benchmarks/spy_summary.py``); a copy of 16 MiB takes about 300 µs.
+``benchmarks/diagnostics/spy_summary.py``); a copy of 16 MiB takes about 300 µs.
 
 So the lean path times a partition's stages only now and then: the first partitions of
 each ``map_blocks`` call, then one every :data:`SAMPLE_SECONDS` per call, and every
