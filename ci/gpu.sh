@@ -7,7 +7,7 @@
 # a run, copy the current files into benchmarks/results/ and append $OUT/history.jsonl to
 # benchmarks/results/history.jsonl (pytest's log stays out of git).
 #
-#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap]...
+#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak]...  (peak: PEAK_ARGS, PEAK_LIMIT)
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -109,6 +109,13 @@ run_default() {
         ${DEFAULT_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 30 || status=1
 }
 
+run_peak() {
+    # A partition's peak host and device memory against plain Dask's (issue 33).
+    log "peak memory: peak_memory.py ${PEAK_ARGS:-}"
+    timeout "${PEAK_LIMIT:-120}" python3 benchmarks/peak_memory.py --backend cuda --record "$OUT" \
+        ${PEAK_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 8 || status=1
+}
+
 run_timeline() {
     log "timeline"
     timeout 60 python3 benchmarks/diagnostics/timeline_cuda.py --json "$OUT/timeline-cuda.json" \
@@ -200,9 +207,10 @@ for step in "${steps[@]}"; do
         demo) run_demo ;;
         dashboard) run_dashboard ;;
         trap) run_trap ;;
+        peak) run_peak ;;
         small) run_small ;;
         floor) run_floor ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor]..."; exit 2 ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak]..."; exit 2 ;;
     esac
 done
 log "done, status $status"

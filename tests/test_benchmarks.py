@@ -156,6 +156,19 @@ def test_host_overhead_on_the_cpu(tmp_path, monkeypatch):
     assert set(line["figures"]) == set(result) - {"backend"}
 
 
+def test_peak_memory_on_the_cpu_within_the_stated_multiple(tmp_path, monkeypatch):
+    """A batch="auto" partition's host peak stays within the stated multiple of its
+    bytes (traced allocations: a bound, not a timing), and a partition a block near
+    plain Dask's."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = run("peak_memory.py", "--backend", "host", "--size", "64MiB", record=tmp_path)
+    assert result["auto_batch"] == 2  # 16 blocks: at least 8 partitions
+    assert result["overlap_auto_host_peak_ratio"] <= result["stated_multiple"] + 0.25
+    assert result["overlap_batch_1_host_peak_ratio"] <= result["dask_host_peak_ratio"] + 0.25
+    (line,) = history(tmp_path)
+    assert line["benchmark"] == "peak-memory"
+
+
 @pytest.mark.timeout(180)
 def test_bench_cluster_and_its_scaling_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

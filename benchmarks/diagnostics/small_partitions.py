@@ -28,8 +28,10 @@ import argparse
 import os
 import sys
 
-import dask
 from dask.utils import format_bytes, parse_bytes
+
+from dask_overlap import Options
+from dask_overlap.pipeline.subchunks import EVERY_SUB_CHUNK, resolve_direct_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import (  # noqa: E402
@@ -79,6 +81,13 @@ def case(
     }
 
 
+def direct_bytes(backend: str) -> float:
+    """``overlap.direct-bytes`` as ``backend`` applies it (``auto`` resolved)."""
+    host_memory = backend == "host"
+    found = resolve_direct_bytes(Options.from_config().direct_bytes, host_memory)
+    return float("inf") if found == EVERY_SUB_CHUNK else found
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__)
     add_backend(p, "cuda", ["cuda", "host", "timed"])
@@ -107,9 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     for part in sizes:
         size = SIZES.get(part) or format_bytes(parse_bytes(part) * 256).replace(" ", "")
         result["sizes"][part] = row = case(part, size, args)
-        if args.direct_off and parse_bytes(part) * 2 <= parse_bytes(
-            str(dask.config.get("overlap.direct-bytes"))
-        ):
+        if args.direct_off and parse_bytes(part) * 2 <= direct_bytes(args.backend):
             ring = {"DASK_OVERLAP__DIRECT_BYTES": "0"}  # overlap.direct-bytes: 0
             row["through_the_ring"] = case(part, size, args, env=ring)
         for k in (int(b) for b in args.batch.split(",") if b.strip()):

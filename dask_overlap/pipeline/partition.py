@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -124,7 +123,7 @@ def _drive(work: PartitionWork, ex: InlineExecutor | ThreadedExecutor) -> Failed
         unstaged=work.spec.out != "device",
         admit=work.admit,
     )
-    in_flight, waited, drained = 0, 0.0, True
+    in_flight, waited = 0, 0.0
     try:
         actions = pipe.start()
         while True:
@@ -157,11 +156,8 @@ def _drive(work: PartitionWork, ex: InlineExecutor | ThreadedExecutor) -> Failed
     finally:
         failed = pipe.failure is not None or not pipe.done
         if failed:
-            drained = ex.drain()  # nothing is dropped before the streams are done with it
-            if drained:
-                for i in range(len(work.subs)):
-                    work.drop(i)
-            work.output.array = None
+            if ex.drain():  # nothing is let go of before the streams are done with it
+                work.release()
         work.settle(
             failed,
             pipe.max_in_flight,
@@ -221,12 +217,23 @@ def _blocks_of(spec: PartitionSpec) -> str:
 
 
 def _clear_frames(error: BaseException) -> None:
-    """Clear the locals of every finished frame in ``error``'s traceback, and in its
-    causes' (the frames still running, this one's callers, are left alone)."""
+    """Clear the locals of every finished frame that ``error``, or an error it was raised
+    from, still reaches: those of its traceback and the callers they point back to (a
+    failure kept as an event and raised again later leaves the frames that handled it
+    between the two), up to the first frame still running (this one's callers stay)."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
+        tb = error.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            while frame is not None:
+                try:
+                    frame.clear()
+                except RuntimeError:  # still running: so are its callers
+                    break
+                frame = frame.f_back
+            tb = tb.tb_next
         error = error.__cause__ or error.__context__
 
 

@@ -2,8 +2,8 @@
 
 Every partition costs a Dask task and this library's own host time, whatever its size:
 on an H200, 4 MiB partitions reach about a sixth of the link's bound where 256 MiB ones
-reach 0.8-0.9 (``benchmarks/diagnostics/small_partitions.py``). With ``batch=k`` the graph hands each
-partition task ``k`` consecutive blocks along ``split_axis`` as one :class:`Pieces`, and
+reach 0.8-0.9 (``benchmarks/diagnostics/small_partitions.py``). With ``batch=k`` the graph
+hands each partition task ``k`` consecutive blocks along ``split_axis`` as one :class:`Pieces`, and
 the task joins them into one array before its partition runs: pageable blocks into one
 block of the pinned pool (the join *is* the staging copy: none follows), device blocks on
 the device. Blocks already pinned are not joined on the host at all: they stay where they

@@ -258,6 +258,15 @@ class PartitionWork:
         sub.res = sub.ring_out = sub.dest = None
         sub.spans = []
 
+    def release(self) -> None:
+        """After a failure, once its streams have drained: let go of every buffer this
+        partition holds (its sub-chunks', its joined inputs, its output), so that nothing
+        that still refers to it (a traceback's frames, the closures they ran) keeps them."""
+        for i in range(len(self.subs)):
+            self.drop(i)
+        self.args = self.admission.args = []
+        self.output.array = None
+
     def settle(self, failed: bool, max_window: int, amounts: dict[str, float]) -> None:
         """This partition's tallies into the runtime's counters, in one locked update,
         plus what the driver adds in ``amounts`` (counters other than the tally's own,

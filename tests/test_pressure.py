@@ -1,0 +1,206 @@
+"""Under memory pressure and after failures: batches that fit the workers' memory, a failed
+partition that gives its memory back at once, an error that names its block."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+from support import poll, require_gpu, wait_until_idle
+
+import dask_overlap
+from dask_overlap import LocalGPUCluster
+from dask_overlap.graph import batch
+
+
+@contextlib.contextmanager
+def no_garbage_collector() -> Iterator[None]:
+    """What is given back inside happens by reference counting alone."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+class Bad(ValueError):
+    """func's own error, of a type of its own (kept through the pipeline and pickling)."""
+
+
+def fails_in_block(block: int, rows: int) -> Any:
+    """func that raises in the block whose first row is ``block * rows``."""
+
+    def f(b: Any, block_info: Any = None) -> Any:
+        if b.size and block_info is not None:
+            if block_info[0]["array-location"][0][0] == block * rows:
+                raise Bad("bad value encountered")
+        return b * 2
+
+    return f
+
+
+# -- a failed partition gives its memory back before its exception leaves ------------------
+@pytest.mark.parametrize(
+    "backend, config",
+    [
+        ("timed", {}),  # a device of its own: the batch joins into the pinned pool
+        ("host", {"overlap.direct-bytes": 0}),  # every sub-chunk through the ring
+    ],
+)
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_a_failed_partition_gives_its_pinned_memory_back_at_once(backend, config, scheduler):
+    """The issue's example: a func that breaks the split axis's extent fails every
+    partition; with the garbage collector off, no pinned byte is held afterwards, even
+    while the exception (and its traceback) is still referenced."""
+    x = da.ones((32768, 64), dtype="f4", chunks=(2048, 64))
+    with dask.config.set({"overlap.backend": backend, **config}), no_garbage_collector():
+        with pytest.raises(ValueError, match="keep the extent") as info:
+            dask_overlap.map_blocks(lambda b: b[:-1], x, split_axis=0).compute(scheduler=scheduler)
+        stats = wait_until_idle()
+        assert stats["partitions_failed"] >= 1
+        assert stats["pinned_bytes_held"] == 0 and stats["pinned_bytes_in_use"] == 0
+        assert stats["device_bytes_in_flight"] == 0
+        assert info.value.__traceback__ is not None  # the exception is still held
+
+
+def test_a_pool_that_held_a_failed_partitions_batch_serves_the_next_one():
+    """What a failed partition gave back is there for the next one (no fallback)."""
+    x = da.ones((32768, 64), dtype="f4", chunks=(2048, 64))
+    with dask.config.set({"overlap.backend": "timed", "overlap.pinned-pool-size": "3MiB"}):
+        with no_garbage_collector():
+            for _ in range(3):
+                with pytest.raises(ValueError):
+                    dask_overlap.map_blocks(lambda b: b[:-1], x, split_axis=0).compute(
+                        scheduler="sync"
+                    )
+            y = dask_overlap.map_blocks(lambda b: b + 1, x, split_axis=0)
+            np.testing.assert_array_equal(y.compute(scheduler="sync"), 2)
+    stats = wait_until_idle()
+    assert stats["pinned_fallbacks"] == 0 and stats["pinned_bytes_in_use"] == 0
+
+
+# -- an error names its partition ----------------------------------------------------------
+def test_an_error_keeps_its_type_and_names_the_partition_and_the_sub_chunk():
+    a = np.arange(16 * 100 * 8, dtype="f8").reshape(1600, 8)
+    x = da.from_array(a, chunks=(100, 8))
+    y = dask_overlap.map_blocks(fails_in_block(5, 100), x, split_axis=0, sub_chunk_bytes=1600)
+    with pytest.raises(Bad, match="bad value encountered") as info:
+        y.compute(scheduler="sync")
+    (note,) = info.value.__notes__
+    assert f"partition ('{y.name}', 5, 0)" in note
+    assert "sub-chunk 1 of 4 (rows 0:25)" in note and "failed in func" in note
+
+
+def test_an_error_in_a_batch_names_the_blocks_it_holds():
+    a = np.arange(16 * 100 * 8, dtype="f8").reshape(1600, 8)
+    x = da.from_array(a, chunks=(100, 8)) + 0  # blocks of their own
+
+    def f(b: Any) -> Any:
+        if b.size > 8 and b[0, 0] <= a[500, 0] < b[-1, 0]:  # the batch holding block 5
+            raise Bad("bad value encountered")
+        return b * 2
+
+    y = dask_overlap.map_blocks(f, x, split_axis=0, batch=4)
+    with pytest.raises(Bad) as info:
+        y.compute(scheduler="sync")
+    (note,) = info.value.__notes__
+    assert f"partition ('{y.name}', 1, 0) (4 input blocks from block 4 along axis 0)" in note
+
+
+def test_a_note_travels_with_a_pickled_exception():
+    """distributed sends a task's exception pickled: the note goes with it."""
+    e = Bad("bad value encountered")
+    e.add_note("dask_overlap: partition ('f-1', 5, 0)")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is Bad and back.__notes__ == e.__notes__
+
+
+def test_a_workers_error_reaches_the_client_with_its_type_and_note():
+    a = np.arange(16 * 100 * 8, dtype="f8").reshape(1600, 8)
+    x = da.from_array(a, chunks=(100, 8))
+    with (
+        LocalGPUCluster(allow_cpu=True, n_workers=1, threads_per_worker=2) as cluster,
+        Client(cluster) as client,
+    ):
+        y = dask_overlap.map_blocks(fails_in_block(5, 100), x, split_axis=0)
+        with pytest.raises(Bad, match="bad value encountered") as info:
+            client.compute(y).result()
+    assert any(f"partition ('{y.name}', 5, 0)" in n for n in info.value.__notes__)
+
+
+# -- batches fit the workers' memory ------------------------------------------------------
+def test_auto_batch_keeps_a_partition_within_the_budget():
+    x = da.ones((2**20, 256), dtype="f4", chunks=(4096, 256))  # 256 blocks of 4 MiB
+    args = (False, [x], (0,), 2, 0, None, None)
+    assert batch.auto_batch(*args) == 16  # 64 MiB partitions with no bound
+    assert batch.auto_batch(*args, budget=24 * 2**20 * batch.PEAK_MULTIPLE) == 6
+    assert batch.auto_batch(*args, budget=2**20) == 1  # never below one block
+
+
+def test_the_budget_is_the_smallest_workers_memory_per_thread_past_its_pause():
+    assert batch.worker_budget() is None  # no distributed client
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=2, memory_limit="400MiB", dashboard_address=None
+        ) as cluster,
+        Client(cluster),
+    ):
+        with dask.config.set(
+            {"distributed.worker.memory.pause": 0.8, "distributed.worker.memory.terminate": 0.95}
+        ):
+            got = batch.worker_budget()
+        assert got == pytest.approx(400 * 2**20 / 2 * 0.15, rel=0.01)
+        with dask.config.set({"distributed.worker.memory.terminate": False}):
+            assert batch.worker_budget() == pytest.approx(400 * 2**20 / 2 * 0.2, rel=0.01)
+
+
+@pytest.mark.timeout(240)
+def test_batch_auto_under_a_worker_memory_limit_kills_no_worker():
+    """The issue's example: two workers of 300 MiB, 1 GiB of float32 output in 4 MiB
+    chunks, the defaults. Before, batch="auto" joined 64 MiB partitions whatever the
+    limit, workers were restarted again and again and the futures never finished."""
+    with (
+        LocalGPUCluster(
+            allow_cpu=True, n_workers=2, threads_per_worker=2, memory_limit="300MiB"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        workers = set(client.scheduler_info()["workers"])
+        x = da.random.default_rng(9).random((2**20, 256), dtype="f4", chunks=(4096, 256))
+        y = dask_overlap.map_blocks(lambda b: b * 2 + 1, x, split_axis=0)
+        (f,) = client.persist([y])
+        wait(f, timeout=180)
+        assert {fut.status for fut in client.futures_of(f)} == {"finished"}
+        assert bool(da.allclose(f, x * 2 + 1).compute())
+        assert set(client.scheduler_info()["workers"]) == workers  # none killed, none new
+
+
+# -- on the GPU: pinned and device memory back at once ------------------------------------
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_a_failed_partition_gives_pinned_and_device_memory_back_on_the_gpu():
+    require_gpu()
+    x = da.ones((32768, 64), dtype="f4", chunks=(2048, 64))
+    config = {"overlap.backend": "cuda", "overlap.pinned-pool-size": "64MiB"}
+    with dask.config.set(config):
+        dask_overlap.map_blocks(lambda b: b + 1, x, split_axis=0).compute()  # warm
+        before = wait_until_idle()["device_bytes_in_use"]
+        with no_garbage_collector():
+            with pytest.raises(ValueError, match="keep the extent"):
+                dask_overlap.map_blocks(lambda b: b[:-1], x, split_axis=0).compute()
+            stats = wait_until_idle()
+            assert stats["pinned_bytes_held"] == 0 and stats["pinned_bytes_in_use"] == 0
+
+            def device_back() -> bool:  # the scratch cache goes back once the runtime idles
+                return dask_overlap.runtime_stats()["device_bytes_in_use"] <= before
+
+            poll(device_back, 10, what="device memory back to its baseline, with no gc")
