@@ -151,8 +151,11 @@ def write_json(path: str | os.PathLike | None, data: Any) -> None:
 
 
 def git_commit() -> str | None:
-    """``git rev-parse --short HEAD`` of this checkout (uncommitted changes not told
-    apart), or ``None`` where there is no git or no repository (a copy on the GPU machine)."""
+    """``$OVERLAP_COMMIT`` where set (the GPU machine gets a copy of the working tree whose
+    ``.git`` may be stale: pass the commit there), else ``git rev-parse --short HEAD`` of
+    this checkout (uncommitted changes not told apart), else ``None``."""
+    if os.environ.get("OVERLAP_COMMIT"):
+        return os.environ["OVERLAP_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "-C", str(RESULTS.parent), "rev-parse", "--short", "HEAD"],
