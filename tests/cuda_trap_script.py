@@ -46,7 +46,7 @@ def func(b):
 
 def main() -> int:
     if MODE == "guarded":
-        from dask_overlap.backends.cuda import guard_kernel_pickling
+        from dask_overlap.backends.kernel_pickling import guard_kernel_pickling
 
         guard_kernel_pickling()
     x_np = np.arange(64 * 1024, dtype=np.float32).reshape(256, 256)

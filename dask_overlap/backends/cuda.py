@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import queue
 import threading
@@ -54,10 +55,10 @@ from ..config import Options
 from ..process import Registry
 from .base import HostPool, OnDone, requested_bytes
 from .cuda_trace import EventTrace
-from .kernel_pickling import guard_kernel_pickling
 
-__all__ = ["CudaBackend", "CudaStream", "PinnedPool", "guard_kernel_pickling"]
+__all__ = ["CudaBackend", "CudaStream", "PinnedPool"]
 
+logger = logging.getLogger(__name__)
 _ALIGN = 256  # RMM pools want sizes in multiples of this
 _H2D = 1  # cudaMemcpyHostToDevice
 _D2H = 2  # cudaMemcpyDeviceToHost
@@ -406,7 +407,8 @@ class CudaStream:
             try:
                 callback(self._error)
             except BaseException:  # the callback only posts news: never let it end the
-                pass  # waiter, or every later completion on this stream would hang
+                # waiter, or every later completion on this stream would hang; said
+                logger.exception("%s: a completion callback raised", self.name)
             finally:
                 del callback
 
@@ -605,7 +607,6 @@ class CudaBackend:
             ref.record(cupy.cuda.Stream.null)
             ref.synchronize()
             self._clock = (ref, time.time())
-        guard_kernel_pickling()
 
     # -- streams and memory -----------------------------------------------------------
     def make_stream(self) -> CudaStream:

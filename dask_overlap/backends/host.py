@@ -8,6 +8,7 @@ pools run and are tested on machines with no GPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ from .base import HostPool, OnDone, requested_bytes
 
 __all__ = ["HostBackend", "HostStream"]
 
+logger = logging.getLogger(__name__)
 _STOP = object()
 _NO_CACHE = contextlib.nullcontext()
 
@@ -37,7 +39,9 @@ def _run(fn: Callable[[], Any], on_done: OnDone, exclusive: Any) -> None:
     try:
         on_done(result, error)
     except BaseException:
-        pass  # the runner's callbacks fail their own sub-chunk (partition._callback)
+        # The runner's callbacks fail their own sub-chunk (executors._callback), so this
+        # is a bug of a callback's own: said, and the stream goes on.
+        logger.exception("a host stream's completion callback raised")
 
 
 class HostStream:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Any
 
 from distributed import WorkerPlugin
@@ -29,11 +28,6 @@ if TYPE_CHECKING:
     from distributed import Worker
 
 __all__ = ["OverlapPlugin", "resolve_options", "worker_runtime"]
-
-# How long teardown waits for partitions still running before it closes the pools: a
-# worker closes its plugins before its executor, and a pool must not be released under
-# an asynchronous copy.
-_DRAIN_SECONDS = 30.0
 
 # The runtimes that plugins built in this process, by worker address: one per worker,
 # since a worker holds at most one plugin of a given name; a process may run several
@@ -172,9 +166,7 @@ class OverlapPlugin(WorkerPlugin):
 
 
 def _drain_and_close(rt: Runtime) -> dict[str, Any]:
-    deadline = time.monotonic() + _DRAIN_SECONDS
-    while rt.counters.partitions_active and time.monotonic() < deadline:
-        time.sleep(0.05)
+    rt.drain()
     stats = rt.stats()  # before close: a closed backend need not answer
     rt.close()
     keys = ("backend", "partitions", "in_flight", "pinned_bytes_in_use", "device_bytes_in_use")

@@ -21,7 +21,7 @@ import numpy as np
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from ..pipeline.layout import AUTO_MIN_BYTES, along
+from ..pipeline.layout import AUTO_MIN_BYTES, along, own_axis
 from ..pipeline.pieces import gather
 from .checks import as_list
 from .rewrite import alias_targets, layer_of
@@ -47,7 +47,7 @@ def split_arrays(
     found = []
     for i in positions:
         x = arrays[i]
-        ax = split_axis - (ndim - x.ndim)
+        ax = own_axis(split_axis, ndim, x.ndim)
         if ax >= 0 and x.numblocks[ax] > 1:
             found.append((i, x, ax))
     return found

@@ -14,6 +14,7 @@ from typing import Any
 import dask.array as da
 import numpy as np
 
+from ..pipeline.layout import own_axis
 from ..pipeline.partition import OUT_MODES
 from .infer import refuse_subclasses
 
@@ -112,7 +113,7 @@ def check_numblocks(arrays: Sequence[Any], positions: tuple[int, ...], ndim: int
     for k in range(ndim):
         counts = {}
         for i in positions:
-            ax = k - (ndim - arrays[i].ndim)
+            ax = own_axis(k, ndim, arrays[i].ndim)
             if ax >= 0 and arrays[i].numblocks[ax] != 1:
                 counts[i] = arrays[i].numblocks[ax]
         if len(set(counts.values())) > 1:

@@ -25,6 +25,7 @@ __all__ = [
     "along",
     "auto_sub_chunk_bytes",
     "layout",
+    "own_axis",
     "whole",
 ]
 
@@ -32,6 +33,19 @@ __all__ = [
 AUTO_IN_FLIGHT = 4
 #: ...and never cuts below this size (smaller sub-chunks cost more host work per byte).
 AUTO_MIN_BYTES = 64 << 20
+
+
+def own_axis(axis: int, ndim: int, array_ndim: int) -> int:
+    """The axis of an array of ``array_ndim`` dimensions that stands for ``axis`` of the
+    inputs' index space of ``ndim`` (Dask aligns arrays at their last axes, as NumPy
+    broadcasts); negative where the array lacks it.
+
+    Examples
+    --------
+    >>> own_axis(1, 3, 2), own_axis(0, 3, 2)
+    (0, -1)
+    """
+    return axis - (ndim - array_ndim)
 
 
 def along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
@@ -166,7 +180,7 @@ def layout(
     extents: dict[int, int] = {}
     for p in positions:
         a = args[p]
-        ax = k - (ndim - a.ndim)
+        ax = own_axis(k, ndim, a.ndim)
         if ax >= 0 and a.shape[ax] != 1:
             extents[p] = a.shape[ax]
     if len(set(extents.values())) > 1:
@@ -180,7 +194,7 @@ def layout(
     row_bytes = 0
     for p in positions:
         a = args[p]
-        ax = k - (ndim - a.ndim)
+        ax = own_axis(k, ndim, a.ndim)
         if ax < 0 or (a.shape[ax] == 1 and extent != 1):
             axes[p] = None  # broadcast along the split axis: every sub-chunk gets it whole
         else:

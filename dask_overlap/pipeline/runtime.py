@@ -18,6 +18,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import logging
 import threading
 import time
 import warnings
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 
 import dask.config
 
-from ..backends import Backend, Stream, make_backend, resolve_backend
+from ..backends import Backend, HostPool, Stream, make_backend, resolve_backend
 from ..config import Options
 from ..process import Registry
 from .copies import Copier, auto_threads
@@ -35,9 +36,12 @@ from .subchunks import resolve_direct_bytes
 
 __all__ = ["Runtime", "Span", "close_runtimes", "idle_stats", "process_runtime", "process_runtimes"]
 
+logger = logging.getLogger(__name__)
 TIMELINE_LENGTH = 20_000
 HOST_STAGES = ("staging", "unstaging")  # run by the copy threads, not on a stream
-CLOSE_DRAIN_SECONDS = 30.0  # how long close() waits for partitions still running
+#: How long closing a runtime waits for partitions still running on it (a worker closes its
+#: plugins before its executor, and a pool must not be released under a copy).
+DRAIN_SECONDS = 30.0
 #: How often the runtime looks whether it is idle, to give the backend's cached device
 #: memory back (see Runtime._trim_when_idle).
 TRIM_SECONDS = 0.5
@@ -118,8 +122,10 @@ class Runtime:
             if started == seen and counters.partitions_active == 0:
                 try:
                     self.backend.trim()
-                except Exception:  # a broken device: the partitions will say so
-                    pass
+                except Exception:  # a broken device: the partitions will say so too
+                    logger.exception(
+                        "%s runtime: giving cached device memory back failed", self.name
+                    )
             seen = started
 
     def acquire_stream(self) -> Stream:
@@ -139,10 +145,6 @@ class Runtime:
         with self._lock:
             self._leases[self._index[id(stream)]] -= 1
 
-    def stream_index(self, stream: Stream | None) -> int:
-        """``stream``'s place in the pool; -1 for ``None`` (the copy threads)."""
-        return self._index.get(id(stream), -1)
-
     def record_spans(
         self,
         key: tuple,
@@ -152,31 +154,31 @@ class Runtime:
     ) -> None:
         """Keep one sub-chunk's stage spans (stage, start, end, bytes; ``time.time()``) on
         the timeline. (Their busy seconds reach the counters with the partition's tallies.)"""
-        j = self._index.get(id(stream), -1)  # (stream_index, for every partition)
+        j = self._index.get(id(stream), -1)  # its place in the pool; -1: none
         append = self.timeline.append
         for stage, start, end, nbytes in spans:
             append(_span((key, sub, -1 if stage in HOST_STAGES else j, stage, start, end, nbytes)))
 
     def stats(self) -> dict[str, Any]:
         """Counters plus the pools' current occupancy (see :func:`runtime_stats`)."""
-        out = self.counters.snapshot()
-        pool = self.backend.pinned
-        device = self.backend.device_bytes_in_use()
-        out.update(
-            backend=self.name,
-            pinned_bytes_in_use=pool.in_use,
-            pinned_bytes_held=pool.held,
-            pinned_bytes_peak=pool.peak,
-            pinned_pool_size=pool.limit,
-            ring_waits=pool.waits,
-            pinned_refused=pool.refused,
-            device_bytes_in_use=(out["device_bytes_in_flight"] if device is None else device),
-            streams=len(self.streams),
-            staging_threads=self.copy_threads,
+        return _stats(
+            self.counters,
+            self.name,
+            self.backend.pinned,
+            self.backend.device_bytes_in_use(),
+            len(self.streams),
+            self.copy_threads,
         )
-        return out
 
-    def close(self, timeout: float = CLOSE_DRAIN_SECONDS) -> None:
+    def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
+        """Wait, up to ``timeout`` seconds, until no partition runs on this runtime; whether
+        none does."""
+        deadline = time.monotonic() + timeout
+        while self.counters.partitions_active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.counters.partitions_active
+
+    def close(self, timeout: float = DRAIN_SECONDS) -> None:
         """Stop the threads and release the pools, once running partitions are done. Idempotent.
 
         A partition still running (a task Dask left behind when another one failed, or was
@@ -189,9 +191,7 @@ class Runtime:
             if self.closed:
                 return
             self.closed = True
-        deadline = time.monotonic() + timeout
-        while self.counters.partitions_active and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self.drain(timeout)
         self._stopped.set()
         self._trimmer.join()
         self.copies.close()
@@ -267,19 +267,44 @@ def process_runtimes() -> dict[str, Runtime]:
         return dict(_runtimes.items)
 
 
-def idle_stats(backend: str) -> dict[str, Any]:
-    """What :meth:`Runtime.stats` says of a runtime that has done nothing yet."""
-    out = Counters().snapshot()
+def _stats(
+    counters: Counters,
+    backend: str,
+    pool: Any,
+    device: int | None,
+    streams: int,
+    staging_threads: int | str,
+) -> dict[str, Any]:
+    """What :func:`runtime_stats` returns, of a runtime's parts (the one place its keys
+    are written)."""
+    out = counters.snapshot()
     out.update(
         backend=backend,
-        pinned_bytes_in_use=0,
-        pinned_bytes_held=0,
-        pinned_bytes_peak=0,
-        ring_waits=0,
-        pinned_refused=0,
-        device_bytes_in_use=0,
+        pinned_bytes_in_use=pool.in_use,
+        pinned_bytes_held=pool.held,
+        pinned_bytes_peak=pool.peak,
+        pinned_pool_size=pool.limit,
+        ring_waits=pool.waits,
+        pinned_refused=pool.refused,
+        device_bytes_in_use=out["device_bytes_in_flight"] if device is None else device,
+        streams=streams,
+        staging_threads=staging_threads,
     )
     return out
+
+
+def idle_stats(backend: str) -> dict[str, Any]:
+    """What :meth:`Runtime.stats` says of a runtime of ``backend`` that has done nothing
+    yet, built from the configuration (the same keys)."""
+    options = Options.from_config(backend=backend)
+    return _stats(
+        Counters(),
+        backend,
+        HostPool(options.pinned_pool_size),
+        0,
+        options.streams,
+        options.staging_threads,
+    )
 
 
 @atexit.register

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -104,6 +106,17 @@ class PartitionTask:
         task.out_dtype = np.dtype(dtype) if dtype is not None else None
         return task
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Where CuPy is imported, func may close over a CuPy kernel that a pickled copy
+        # would break in this process (see dask_overlap.backends.kernel_pickling): this
+        # task pickles its state with kernels as references. (Without CuPy there is no
+        # kernel to keep: pickled as any object.)
+        if "cupy" not in sys.modules:
+            return super().__reduce_ex__(protocol)
+        from ..backends.kernel_pickling import dumps
+
+        return _loads_task, (type(self), dumps(self.__dict__))
+
     def __dask_tokenize__(self) -> Any:
         return (
             type(self).__name__,
@@ -145,6 +158,13 @@ class PartitionTask:
 
     def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
         return self._run(args, block_id, None, kwargs)
+
+
+def _loads_task(cls: type[PartitionTask], state: bytes) -> PartitionTask:
+    """A partition task from :meth:`PartitionTask.__reduce_ex__`'s pickled state."""
+    task = cls.__new__(cls)
+    task.__dict__.update(pickle.loads(state))
+    return task
 
 
 class PartitionTaskWithInfo(PartitionTask):
