@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import signal
+import socket
 import subprocess
 import sys
 import types
@@ -155,3 +156,31 @@ def test_worker_joins_computes_and_stops_on_signal(sig: signal.Signals, tmp_path
     text = log_path.read_text()
     assert f"Reason: signal-{int(sig)}" in text, text
     assert "Traceback" not in text, text
+
+
+def test_worker_says_what_it_waits_for_and_stops_cleanly_without_a_scheduler(
+    tmp_path: Path,
+) -> None:
+    # A port that refuses connections: bound here, never listening.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        log_path = tmp_path / "worker.log"
+        cmd = ["-m", "dask", "overlap", "worker", address, "--allow-cpu", "--n-workers", "1"]
+        cmd += ["--cuda-visible-devices", "", "--no-dashboard", "--local-directory", str(tmp_path)]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, *cmd], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            waiting = f"waiting for the scheduler at {address} (at most: forever"
+            poll(lambda: waiting in log_path.read_text(), 60, what="the line it waits with")
+            assert proc.poll() is None, log_path.read_text()  # still waiting, not failed
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, log_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text()
+    assert f"Reason: signal-{int(signal.SIGTERM)}" in text, text
+    assert "stopped (signal-15)" in text, text
+    assert "Traceback" not in text and "Error" not in text, text
