@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from support import poll
 import dask_overlap
 from dask_overlap import Options, OverlapPlugin, runtime_stats
 from dask_overlap.cluster.cli import main, options_from_params
-from dask_overlap.cluster.local import plan_workers
+from dask_overlap.cluster.local import THREADS_PER_WORKER, plan_workers
 
 OPTION_FLAGS = [
     f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(Options) if f.name != "timed"
@@ -48,6 +49,7 @@ def test_dask_overlap_help_through_the_dask_command() -> None:
         assert flag in worker.stdout, flag
     assert "[SCHEDULER_ADDRESS]" in worker.stdout
     assert "overlap.in-flight" in worker.stdout  # defaults are read from the configuration
+    assert f"[default: {THREADS_PER_WORKER} per GPU;" in " ".join(worker.stdout.split())
 
 
 def test_python_m_dask_overlap_is_the_same_command() -> None:
@@ -181,6 +183,8 @@ def test_worker_says_what_it_waits_for_and_stops_cleanly_without_a_scheduler(
                 proc.kill()
                 proc.wait()
     text = log_path.read_text()
+    # --nthreads left out: on the CPU path one worker gets the cores this process may use.
+    assert f"1 worker(s), {len(os.sched_getaffinity(0))} thread(s) each" in text, text
     assert f"Reason: signal-{int(signal.SIGTERM)}" in text, text
     assert "stopped (signal-15)" in text, text
     assert "Traceback" not in text and "Error" not in text, text

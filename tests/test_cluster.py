@@ -191,7 +191,9 @@ def test_local_gpu_cluster_cpu_path() -> None:
             )
         )
         expected = Options.from_config(in_flight=3, backend="host")
-        assert list(info.values()) == [(expected, THREADS_PER_WORKER, None)] * CPU_WORKERS
+        # On the CPU path the workers share this machine's cores, as LocalCluster's do.
+        threads = max(1, len(os.sched_getaffinity(0)) // CPU_WORKERS)
+        assert list(info.values()) == [(expected, threads, None)] * CPU_WORKERS
 
         x = da.random.random((1000, 64), chunks=(125, 64))
         ours = dask_overlap.map_blocks(func, x, split_axis=0, sub_chunk_bytes="8KiB")
@@ -246,6 +248,16 @@ def test_local_gpu_cluster_without_gpu_says_so(monkeypatch: pytest.MonkeyPatch) 
 
 
 # --- layout and options, no cluster -------------------------------------------------
+
+
+def test_threads_per_worker_default_to_four_per_gpu() -> None:
+    """The advice (about four partitions in flight per GPU) is the default everywhere."""
+    assert THREADS_PER_WORKER == 4
+    gpus = plan_workers(cuda_visible_devices="0,1", options=Options.from_config(backend="host"))
+    assert gpus.threads_per_worker == THREADS_PER_WORKER
+    cpu = plan_workers(cuda_visible_devices="", allow_cpu=True)
+    assert cpu.threads_per_worker == max(1, len(os.sched_getaffinity(0)) // cpu.n_workers)
+    assert WorkerLayout(64, (), cpu.options).threads_per_worker == 1  # never below one
 
 
 def test_parse_devices_and_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:

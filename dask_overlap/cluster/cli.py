@@ -153,9 +153,9 @@ def main() -> None:
 @click.option(
     "--nthreads",
     type=click.IntRange(min=1),
-    default=THREADS_PER_WORKER,
-    show_default=True,
-    help="Threads per worker: partitions in flight per GPU, sharing its runtime.",
+    help="Threads per worker: partitions in flight per GPU, sharing its runtime [default: "
+    f"{THREADS_PER_WORKER} per GPU; with --allow-cpu on a machine with no GPU, this "
+    "machine's cores shared among the workers].",
 )
 @click.option(
     "--cuda-visible-devices",
@@ -208,7 +208,7 @@ def worker(
     scheduler: str | None,
     scheduler_file: str | None,
     n_workers: int | None,
-    nthreads: int,
+    nthreads: int | None,
     cuda_visible_devices: str | None,
     allow_cpu: bool,
     memory_limit: str,
@@ -242,6 +242,7 @@ def worker(
             protocol=worker_protocol(protocol, scheduler, scheduler_file),
         )
         limit = parse_memory_limit(memory_limit, 1, layout.n_workers, logger=logger)
+        nthreads = nthreads or layout.threads_per_worker
     except (ValueError, TypeError, RuntimeError, ImportError) as e:
         raise click.ClickException(str(e)) from None
     where = f"GPU(s) {','.join(layout.devices)}" if layout.devices else "no GPU"
