@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from dask.utils import parse_bytes
 from distributed import Client, LocalCluster
 from support import poll
 
@@ -188,3 +190,43 @@ def test_worker_says_what_it_waits_for_and_stops_cleanly_without_a_scheduler(
     assert f"Reason: signal-{int(signal.SIGTERM)}" in text, text
     assert "stopped (signal-15)" in text, text
     assert "Traceback" not in text and "Error" not in text, text
+
+
+def test_demo_defaults_are_what_its_help_says() -> None:
+    from dask_overlap.demo import _parser, _setup
+
+    text = " ".join(_parser().format_help().split())
+    setup = _setup(_parser().parse_args([]), gpu=True)
+    # The sub-chunk and the threads are left to the library, as the help says.
+    assert setup.sub_chunk is None
+    assert "default overlap.sub-chunk-bytes, now auto" in text
+    assert setup.threads is None and setup.workers is None
+    assert f"default {THREADS_PER_WORKER} per GPU" in text
+    assert (setup.nbytes, setup.chunks) == (4 << 30, 16)  # "4GiB on a GPU", "size/16"
+    cpu = _setup(_parser().parse_args([]), gpu=False)
+    assert (cpu.nbytes, cpu.chunks, cpu.chunk_bytes) == (256 << 20, 16, 16 << 20)
+
+
+@pytest.mark.timeout(300)
+def test_demo_numbers_add_up(tmp_path: Path) -> None:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path, as on CI
+    done = subprocess.run(
+        [sys.executable, "-m", "dask_overlap", "demo", "--size", "32MiB"], cwd=tmp_path,
+        env=env, capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "32.00 MiB float32 in 16 chunks of 2.00 MiB, on the CPU path" in out, out
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"cluster: 2 worker(s) x {threads} thread(s)" in out, out
+    ran = re.search(r"ran the 16 chunks as (\d+) partitions of about ([0-9.]+ [KMG]iB)", out)
+    assert ran, out
+    partitions, size = int(ran.group(1)), parse_bytes(ran.group(2))
+    # batch="auto" joins the 2 MiB chunks, and the partitions it says cover the input.
+    assert 1 < 16 // partitions and partitions * size == 32 << 20, out
+    # Counted over the timed run only: the input, once each way, not the warm-up too.
+    assert "copied in the timed run (the warm-up before it left out): 32.00 MiB in, " \
+        "32.00 MiB out" in out, out  # fmt: skip
+    assert "not for speed" in out
+    assert "result equals plain Dask: True" in out, out
