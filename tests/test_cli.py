@@ -32,6 +32,13 @@ OPTION_FLAGS = [
 ]
 
 
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` if it still runs: a failed test leaves no worker behind."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=timeout, check=False
@@ -154,9 +161,7 @@ def test_worker_joins_computes_and_stops_on_signal(sig: signal.Signals, tmp_path
                 what="the worker leaving the scheduler",
             )
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            reap(proc)
     text = log_path.read_text()
     assert f"Reason: signal-{int(sig)}" in text, text
     assert "Traceback" not in text, text
@@ -181,9 +186,7 @@ def test_worker_says_what_it_waits_for_and_stops_cleanly_without_a_scheduler(
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0, log_path.read_text()
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            reap(proc)
     text = log_path.read_text()
     # --nthreads left out: on the CPU path one worker gets the cores this process may use.
     assert f"1 worker(s), {len(os.sched_getaffinity(0))} thread(s) each" in text, text

@@ -7,7 +7,7 @@ tests/test_reliability.py`` on the device; skipped where no GPU is visible). A c
 is parametrized by backend: on the GPU its partitions are megabytes and its copies tens of
 kilobytes, as a GPU sees them, and its functions are integer arithmetic or single
 correctly rounded operations, whose CuPy results equal NumPy's bit for bit. The cases
-only the GPU has come last. The README's "Reliability" table counts the cases of each kind.
+only the GPU has come last. docs/guide/guarantees.md lists what they hold the library to.
 """
 
 from __future__ import annotations
