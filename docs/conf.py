@@ -35,9 +35,10 @@ exclude_patterns = ["_build"]
 myst_heading_anchors = 3
 
 autodoc_member_order = "bysource"
-autodoc_typehints = "description"
+autodoc_typehints = "signature"  # the types in the signature; the docstrings say the rest
 napoleon_google_docstring = False
 napoleon_numpy_docstring = True
+napoleon_use_param = False  # "a, b : text" stays one entry, not the text once per name
 
 html_theme = "alabaster"
 html_theme_options = {
