@@ -53,3 +53,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(dashboard, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The public API, the lazily loaded names included; not this module's own imports.
+    return sorted([*__all__, "__version__"])

@@ -1,12 +1,15 @@
 """The demo (the README's main job): a real array through a real cluster, checked.
 
-It starts a :class:`~dask_overlap.LocalGPUCluster` on this machine (one worker per GPU;
-on a machine with no GPU, CPU workers on the host backend), makes a float32 array on the
-workers, runs the usual Dask + CuPy code (``cp.asnumpy(f(cp.asarray(block)))``) and then
-``dask_overlap.map_blocks`` with ``split_axis=0`` and no tuning over it, checks every
-element against plain ``dask.array.map_blocks``, and prints both throughputs side by side,
-the backend used and the dashboard address. ``python -m dask_overlap demo --help`` lists
-the knobs.
+It starts a :class:`~dask_overlap.LocalGPUCluster` on this machine with its defaults (one
+worker per GPU; on a machine with no GPU, CPU workers on the host backend), makes a
+float32 array on the workers, runs the usual Dask + CuPy code
+(``cp.asnumpy(f(cp.asarray(block)))``) and then ``dask_overlap.map_blocks`` with
+``split_axis=0`` and no other setting over it, checks every element against plain
+``dask.array.map_blocks``, and prints both throughputs side by side, the backend used, the
+dashboard address, and what dask_overlap did in the timed run: how many partitions the
+chunks became (``batch="auto"`` joins small ones), the sub-chunks and the bytes copied.
+What it prints is counted by the workers' runtimes, over the timed run only (an untimed
+warm-up runs first). ``python -m dask_overlap demo --help`` lists the knobs.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
+import dask.config
 import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
+from .cluster.local import CPU_WORKERS, THREADS_PER_WORKER
+
 if TYPE_CHECKING:
     import dask.array as da
+    from distributed import Client
 
 __all__ = ["main", "naive_scale_shift", "scale_shift"]
 
@@ -53,10 +60,10 @@ class _DemoSetup:
 
     gpu: bool
     rows: int
-    rows_per_part: int
+    rows_per_chunk: int
     sub_chunk: str | None  # None: overlap.sub-chunk-bytes
-    workers: int | None
-    threads: int
+    workers: int | None  # None: LocalGPUCluster's default
+    threads: int | None  # None: LocalGPUCluster's default
     rounds: int
     keep_open: float
 
@@ -65,8 +72,12 @@ class _DemoSetup:
         return self.rows * _COLS * 4
 
     @property
-    def partition_bytes(self) -> int:
-        return self.rows_per_part * _COLS * 4
+    def chunk_bytes(self) -> int:
+        return min(self.rows_per_chunk, self.rows) * _COLS * 4
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.rows // self.rows_per_chunk)
 
     @property
     def kernel_kw(self) -> dict[str, Any]:
@@ -78,12 +89,32 @@ def _parser() -> argparse.ArgumentParser:
         prog="dask overlap demo",
         description="Run dask_overlap.map_blocks on a local cluster and check it against Dask.",
     )
+    sub_chunk = dask.config.get("overlap.sub-chunk-bytes")
     p.add_argument("--size", default=None, help="input bytes (default 256MiB; 4GiB on a GPU)")
-    p.add_argument("--partition", default=None, help="bytes per partition (default size/16)")
-    p.add_argument("--sub-chunk", default=None, help="bytes per sub-chunk (8MiB; 64MiB on a GPU)")
-    p.add_argument("--workers", type=int, default=None, help="default: one per GPU, or 2 CPU")
     p.add_argument(
-        "--threads", type=int, default=None, help="partitions in flight per worker (2; 4 on a GPU)"
+        "--chunk",
+        "--partition",
+        default=None,
+        help="bytes per Dask chunk of the input (default size/16); batch='auto' may run "
+        "small chunks several to a partition",
+    )
+    p.add_argument(
+        "--sub-chunk",
+        default=None,
+        help=f"bytes per sub-chunk (default overlap.sub-chunk-bytes, now {sub_chunk})",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help=f"default: one per GPU; {CPU_WORKERS} on a machine with no GPU",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help=f"partitions in flight per worker (default {THREADS_PER_WORKER} per GPU; on a "
+        "machine with no GPU, its cores shared among the workers)",
     )
     p.add_argument("--rounds", type=int, default=2, help="kernel length (elementwise passes)")
     p.add_argument(
@@ -99,14 +130,14 @@ def _parser() -> argparse.ArgumentParser:
 def _setup(args: argparse.Namespace, gpu: bool) -> _DemoSetup:
     """The flags, with the defaults of this machine (larger on a GPU) where they are left out."""
     size = parse_bytes(args.size or ("4GiB" if gpu else "256MiB"))
-    partition = parse_bytes(args.partition) if args.partition else max(size // 16, 1 << 20)
+    chunk = parse_bytes(args.chunk) if args.chunk else max(size // 16, 1 << 20)
     return _DemoSetup(
         gpu=gpu,
         rows=max(1, size // (4 * _COLS)),
-        rows_per_part=max(1, partition // (4 * _COLS)),
-        sub_chunk=args.sub_chunk or (None if gpu else "8MiB"),
+        rows_per_chunk=max(1, chunk // (4 * _COLS)),
+        sub_chunk=args.sub_chunk,
         workers=args.workers,
-        threads=args.threads or (4 if gpu else 2),
+        threads=args.threads,
         rounds=args.rounds,
         keep_open=args.keep_open,
     )
@@ -128,7 +159,7 @@ def _make_data(setup: _DemoSetup) -> da.Array:
     from distributed import wait
 
     x = da.random.default_rng(42).random(
-        (setup.rows, _COLS), chunks=(setup.rows_per_part, _COLS), dtype=np.float32
+        (setup.rows, _COLS), chunks=(setup.rows_per_chunk, _COLS), dtype=np.float32
     )
     x = x.persist()
     wait(x)
@@ -145,8 +176,31 @@ def _persist_timed(arr: da.Array) -> tuple[da.Array, float]:
     return arr, time.perf_counter() - t0
 
 
-def _run_both(x: da.Array, setup: _DemoSetup) -> tuple[float, da.Array, float]:
-    """The naive path's seconds, then dask_overlap's result (persisted) and seconds."""
+def _summed_stats(client: Client) -> dict[str, float]:
+    """The workers' runtime counters, summed (the numeric ones)."""
+    import dask_overlap
+
+    total: dict[str, float] = {}
+    for stats in client.run(dask_overlap.runtime_stats).values():
+        for key, value in stats.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """The two timed runs: their seconds, dask_overlap's result, and what its runtimes
+    counted over its timed run alone (the warm-up left out)."""
+
+    naive_seconds: float
+    overlapped: da.Array
+    overlap_seconds: float
+    counted: dict[str, float]
+
+
+def _run_both(client: Client, x: da.Array, setup: _DemoSetup) -> _Run:
+    """The naive path's seconds, then dask_overlap's result (persisted), seconds and counts."""
     import dask.array as da
     from distributed import wait
 
@@ -157,13 +211,16 @@ def _run_both(x: da.Array, setup: _DemoSetup) -> tuple[float, da.Array, float]:
     overlapped = dask_overlap.map_blocks(
         scale_shift, x, split_axis=0, sub_chunk_bytes=setup.sub_chunk, **kw
     )
-    # Warm-up on two partitions each: kernel compilation and pools stay out of the times.
-    warm = 2 * setup.rows_per_part
+    # Warm-up on two chunks each: kernel compilation and pools stay out of the times.
+    warm = 2 * setup.rows_per_chunk
     wait([naive[:warm].persist(), overlapped[:warm].persist()])
     # The naive result is dropped at once, so its memory is free before the second run.
     naive_seconds = _persist_timed(naive)[1]
+    before = _summed_stats(client)
     overlapped, overlap_seconds = _persist_timed(overlapped)
-    return naive_seconds, overlapped, overlap_seconds
+    after = _summed_stats(client)
+    counted = {k: v - before.get(k, 0) for k, v in after.items()}
+    return _Run(naive_seconds, overlapped, overlap_seconds, counted)
 
 
 def _equals_plain_dask(overlapped: da.Array, x: da.Array, setup: _DemoSetup) -> bool:
@@ -175,32 +232,59 @@ def _equals_plain_dask(overlapped: da.Array, x: da.Array, setup: _DemoSetup) -> 
     return bool(da.allclose(overlapped, reference, rtol=rtol, atol=0).compute())
 
 
+def _partitions_line(setup: _DemoSetup, counted: dict[str, float]) -> str:
+    """How dask_overlap ran the chunks in the timed run: as partitions of what size."""
+    partitions = int(counted.get("partitions", 0))
+    if partitions < 1:
+        return "dask_overlap ran no partition in the timed run"
+    size = format_bytes(setup.nbytes // partitions)
+    if partitions == setup.chunks:
+        how = f"one partition a chunk ({partitions} of {size})"
+    else:
+        how = (
+            f"{partitions} partitions of about {size} (batch='auto' joined small chunks, "
+            f"about {setup.chunks / partitions:g} to a partition)"
+        )
+    sub = (
+        setup.sub_chunk or f"overlap.sub-chunk-bytes = {dask.config.get('overlap.sub-chunk-bytes')}"
+    )
+    return (
+        f"dask_overlap ran the {setup.chunks} chunks as {how}, in "
+        f"{int(counted.get('sub_chunks', 0))} sub-chunks (sub-chunk size: {sub})"
+    )
+
+
 def _print_report(
-    stats: dict[str, dict[str, Any]],
-    setup: _DemoSetup,
-    naive_seconds: float,
-    overlap_seconds: float,
-    equal: bool,
+    stats: dict[str, dict[str, Any]], setup: _DemoSetup, run: _Run, equal: bool
 ) -> None:
-    """The backend, both throughputs, the workers' summed counters and the check's verdict."""
+    """The backend, both throughputs, what the timed run did and the check's verdict."""
     backends = sorted({s["backend"] for s in stats.values()})
-    print(f"backend: {', '.join(backends)} on {len(stats)} worker(s)")
+    print(f"backend: {', '.join(backends)}")
     naive_name = "Dask + CuPy, naive" if setup.gpu else "plain Dask (NumPy)"
     nbytes = setup.nbytes
     print(
         f"throughput, until every chunk exists: {naive_name} "
-        f"{nbytes / naive_seconds / 1e9:.2f} GB/s; dask_overlap "
-        f"{nbytes / overlap_seconds / 1e9:.2f} GB/s ({naive_seconds / overlap_seconds:.1f}x)"
+        f"{nbytes / run.naive_seconds / 1e9:.2f} GB/s; dask_overlap "
+        f"{nbytes / run.overlap_seconds / 1e9:.2f} GB/s "
+        f"({run.naive_seconds / run.overlap_seconds:.1f}x)"
     )
-
-    def total(counter: str) -> Any:
-        return sum(s[counter] for s in stats.values())
-
+    if not setup.gpu:
+        print(
+            "(the CPU path is for trying dask_overlap and for CI without a GPU, not for speed: "
+            "on a CPU plain Dask is the faster way)"
+        )
+    print(_partitions_line(setup, run.counted))
+    c = run.counted
+    moved_in, moved_out = (format_bytes(int(c.get(k, 0))) for k in ("bytes_h2d", "bytes_d2h"))
+    copies = (
+        f"{moved_in} host to device, {moved_out} device to host"
+        if setup.gpu
+        else f"{moved_in} in, {moved_out} out (the host backend's stand-ins for a GPU's copies)"
+    )
     print(
-        f"moved: {format_bytes(total('bytes_h2d'))} in, {format_bytes(total('bytes_d2h'))} out, "
-        f"{total('sub_chunks')} sub-chunks, backpressure {total('backpressure_seconds'):.2f} s "
-        f"(pinned ring full {total('ring_full')} times), "
-        f"pinned fallbacks {total('pinned_fallbacks')}"
+        f"copied in the timed run (the warm-up before it left out): {copies}; backpressure "
+        f"{c.get('backpressure_seconds', 0):.2f} s (pinned ring full {int(c.get('ring_full', 0))} "
+        f"times), pinned fallbacks {int(c.get('pinned_fallbacks', 0))}"
     )
     print(f"result equals plain Dask: {equal}")
 
@@ -216,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
 
     setup = _setup(args, gpu_available())
     print(
-        f"dask_overlap demo: {format_bytes(setup.nbytes)} float32 in partitions of "
-        f"{format_bytes(setup.partition_bytes)}, on {'the GPU' if setup.gpu else 'the CPU'}"
+        f"dask_overlap demo: {format_bytes(setup.nbytes)} float32 in {setup.chunks} chunks of "
+        f"{format_bytes(setup.chunk_bytes)}, on {'the GPU' if setup.gpu else 'the CPU path'}"
     )
     with (
         dask_overlap.LocalGPUCluster(
@@ -227,12 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         ) as cluster,
         Client(cluster) as client,
     ):
+        threads = client.nthreads()
+        print(
+            f"cluster: {len(threads)} worker(s) x {max(threads.values())} thread(s) "
+            "(LocalGPUCluster's defaults unless --workers/--threads)"
+        )
         print(_dashboard_line(cluster.dashboard_link, setup.keep_open))
         x = _make_data(setup)
-        naive_seconds, overlapped, overlap_seconds = _run_both(x, setup)
-        equal = _equals_plain_dask(overlapped, x, setup)
+        run = _run_both(client, x, setup)
+        equal = _equals_plain_dask(run.overlapped, x, setup)
         stats = client.run(dask_overlap.runtime_stats)
-        _print_report(stats, setup, naive_seconds, overlap_seconds, equal)
+        _print_report(stats, setup, run, equal)
         if setup.keep_open > 0:
             print(f"keeping the cluster up for {setup.keep_open:.0f} s")
             time.sleep(setup.keep_open)

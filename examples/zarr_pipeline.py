@@ -24,32 +24,36 @@ both reach it, the disk, not the GPU, sets the pace: put the stores on faster st
 
 Run it from a clone (the workers are processes that import this file)::
 
-    python examples/zarr_pipeline.py in.zarr out.zarr --make 256MiB --chunk 16MiB
-    python examples/zarr_pipeline.py in.zarr out.zarr --make 8GiB --chunk 256MiB --compare
+    python examples/zarr_pipeline.py --make 256MiB --chunk 16MiB --compare
+    python examples/zarr_pipeline.py --make 8GiB --chunk 256MiB --compare --workdir /dev/shm/zp
+    python examples/zarr_pipeline.py in.zarr out.zarr --make 256MiB
 
-``--make SIZE`` writes a synthetic input store when ``in.zarr`` does not exist; an existing
-store is used as it is (any 3-D store of images). ``--json PATH`` saves the figures.
+Stores not named on the command line (``in.zarr``, ``out.zarr`` and ``--compare``'s
+``out-plain-dask.zarr``) go to ``--workdir``, or to a temporary folder removed at the
+end: nothing is written where it is run from. ``--make SIZE`` writes a synthetic input
+store when the input does not exist (256MiB when no input is named); an existing store
+is used as it is (any 3-D store of images). ``--json PATH`` saves the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
-# Worker threads on a GPU: reading and writing Zarr (decompressing, compressing) is host
-# work done in the task threads, so more of them than the ~4 partitions a GPU wants.
-GPU_THREADS = 8
 CODECS = ("zstd", "none")
 
 
@@ -205,9 +209,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Zarr in, a Gaussian filter per image on the GPU (dask_overlap), Zarr out.",
     )
-    p.add_argument("input", type=Path, help="input Zarr v3 store (3-D: images, height, width)")
-    p.add_argument("output", type=Path, help="output Zarr v3 store (replaced if it exists)")
-    p.add_argument("--make", metavar="SIZE", help="create the input, of SIZE bytes, if missing")
+    p.add_argument(
+        "input", type=Path, nargs="?",
+        help="input Zarr v3 store (3-D: images, height, width); default: in.zarr in --workdir",
+    )  # fmt: skip
+    p.add_argument(
+        "output", type=Path, nargs="?",
+        help="output Zarr v3 store (replaced if it exists); default: out.zarr in --workdir",
+    )  # fmt: skip
+    p.add_argument(
+        "--workdir", type=Path, metavar="DIR",
+        help="folder of the stores not named (made if missing, kept); default: a temporary "
+        "folder, removed at the end",
+    )  # fmt: skip
+    p.add_argument(
+        "--make", metavar="SIZE",
+        help="create the input, of SIZE bytes, if missing (default 256MiB when no input is named)",
+    )  # fmt: skip
     p.add_argument(
         "--image", type=parse_image, default=(1024, 1024), metavar="HxW",
         help="image size for --make (default 1024x1024)",
@@ -231,11 +249,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--workers", type=int, help="default: one per GPU, or 2 on the CPU path")
     p.add_argument(
-        "--threads", type=int, help=f"per worker (default {GPU_THREADS} on a GPU, else 2)"
-    )
+        "--threads", type=int,
+        help="per worker (default: LocalGPUCluster's, 4 per GPU; on the CPU path the cores "
+        "shared among the workers)",
+    )  # fmt: skip
     p.add_argument("--compare", action="store_true", help="also run it with plain Dask")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the figures here")
     args = p.parse_args(argv)
+    if args.input is None and args.make is None:
+        args.make = "256MiB"
     for name in ("make", "chunk", "store_chunk"):
         value = getattr(args, name)
         if value is not None:
@@ -245,16 +267,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 p.error(f"--{name.replace('_', '-')} expects a size like 256MiB, got {value!r}")
             if getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be positive, got {value!r}")
-    if not args.input.exists() and args.make is None:
+    if args.input is not None and not args.input.exists() and args.make is None:
         p.error(f"{args.input} does not exist; pass --make SIZE to create it")
-    if args.output.resolve() == args.input.resolve():
-        p.error(f"the output must not be the input, got {args.output} for both")
+    if args.input is not None and args.output is not None:
+        if args.output.resolve() == args.input.resolve():
+            p.error(f"the output must not be the input, got {args.output} for both")
     for name in ("workers", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.sigma <= 0:
         p.error(f"--sigma must be > 0, got {args.sigma}")
     return args
+
+
+@contextlib.contextmanager
+def stores(args: argparse.Namespace) -> Iterator[argparse.Namespace]:
+    """``args`` with the stores not named placed in ``--workdir``, or in a temporary folder
+    that is removed at the end (so nothing is written where the example is run from)."""
+    if args.input is not None and args.output is not None:
+        yield args
+        return
+    temporary = args.workdir is None
+    folder = Path(tempfile.mkdtemp(prefix="zarr_pipeline-")) if temporary else args.workdir
+    folder.mkdir(parents=True, exist_ok=True)
+    args.input = args.input or folder / "in.zarr"
+    args.output = args.output or folder / "out.zarr"
+    kept = "temporary, removed at the end; --workdir DIR keeps them" if temporary else "kept"
+    print(f"stores in {folder} ({kept})")
+    try:
+        yield args
+    finally:
+        if temporary:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def compare(a_path: Path, b_path: Path, gpu: bool) -> tuple[bool, float]:
@@ -392,18 +436,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zarr_pipeline: error: {e}", file=sys.stderr)
         return 2
     gpu = layout.options.backend == "cuda"
-    threads = args.threads or (GPU_THREADS if gpu else 2)
     with (
+        stores(args),
         LocalGPUCluster(
             n_workers=layout.n_workers,
-            threads_per_worker=threads,
+            threads_per_worker=args.threads,
             allow_cpu=True,
             options=layout.options,
         ) as cluster,
         Client(cluster) as client,
     ):
         print(f"dashboard: {cluster.dashboard_link}")
-        result = run(client, args, gpu, warm_chunks=layout.n_workers * threads)
+        threads = max(client.nthreads().values())
+        result = run(client, args, gpu, warm_chunks=sum(client.nthreads().values()))
     result.update(workers=layout.n_workers, threads_per_worker=threads)
     report(result, gpu)
     if args.json is not None:

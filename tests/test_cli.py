@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import types
@@ -15,17 +18,25 @@ import dask.array as da
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from dask.utils import parse_bytes
 from distributed import Client, LocalCluster
 from support import poll
 
 import dask_overlap
 from dask_overlap import Options, OverlapPlugin, runtime_stats
 from dask_overlap.cluster.cli import main, options_from_params
-from dask_overlap.cluster.local import plan_workers
+from dask_overlap.cluster.local import THREADS_PER_WORKER, plan_workers
 
 OPTION_FLAGS = [
     f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(Options) if f.name != "timed"
 ]
+
+
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` if it still runs: a failed test leaves no worker behind."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -47,6 +58,7 @@ def test_dask_overlap_help_through_the_dask_command() -> None:
         assert flag in worker.stdout, flag
     assert "[SCHEDULER_ADDRESS]" in worker.stdout
     assert "overlap.in-flight" in worker.stdout  # defaults are read from the configuration
+    assert f"[default: {THREADS_PER_WORKER} per GPU;" in " ".join(worker.stdout.split())
 
 
 def test_python_m_dask_overlap_is_the_same_command() -> None:
@@ -149,9 +161,75 @@ def test_worker_joins_computes_and_stops_on_signal(sig: signal.Signals, tmp_path
                 what="the worker leaving the scheduler",
             )
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            reap(proc)
     text = log_path.read_text()
     assert f"Reason: signal-{int(sig)}" in text, text
     assert "Traceback" not in text, text
+
+
+def test_worker_says_what_it_waits_for_and_stops_cleanly_without_a_scheduler(
+    tmp_path: Path,
+) -> None:
+    # A port that refuses connections: bound here, never listening.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        log_path = tmp_path / "worker.log"
+        cmd = ["-m", "dask", "overlap", "worker", address, "--allow-cpu", "--n-workers", "1"]
+        cmd += ["--cuda-visible-devices", "", "--no-dashboard", "--local-directory", str(tmp_path)]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, *cmd], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            waiting = f"waiting for the scheduler at {address} (at most: forever"
+            poll(lambda: waiting in log_path.read_text(), 60, what="the line it waits with")
+            assert proc.poll() is None, log_path.read_text()  # still waiting, not failed
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, log_path.read_text()
+        finally:
+            reap(proc)
+    text = log_path.read_text()
+    # --nthreads left out: on the CPU path one worker gets the cores this process may use.
+    assert f"1 worker(s), {len(os.sched_getaffinity(0))} thread(s) each" in text, text
+    assert f"Reason: signal-{int(signal.SIGTERM)}" in text, text
+    assert "stopped (signal-15)" in text, text
+    assert "Traceback" not in text and "Error" not in text, text
+
+
+def test_demo_defaults_are_what_its_help_says() -> None:
+    from dask_overlap.demo import _parser, _setup
+
+    text = " ".join(_parser().format_help().split())
+    setup = _setup(_parser().parse_args([]), gpu=True)
+    # The sub-chunk and the threads are left to the library, as the help says.
+    assert setup.sub_chunk is None
+    assert "default overlap.sub-chunk-bytes, now auto" in text
+    assert setup.threads is None and setup.workers is None
+    assert f"default {THREADS_PER_WORKER} per GPU" in text
+    assert (setup.nbytes, setup.chunks) == (4 << 30, 16)  # "4GiB on a GPU", "size/16"
+    cpu = _setup(_parser().parse_args([]), gpu=False)
+    assert (cpu.nbytes, cpu.chunks, cpu.chunk_bytes) == (256 << 20, 16, 16 << 20)
+
+
+@pytest.mark.timeout(300)
+def test_demo_numbers_add_up(tmp_path: Path) -> None:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path, as on CI
+    done = subprocess.run(
+        [sys.executable, "-m", "dask_overlap", "demo", "--size", "32MiB"], cwd=tmp_path,
+        env=env, capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "32.00 MiB float32 in 16 chunks of 2.00 MiB, on the CPU path" in out, out
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"cluster: 2 worker(s) x {threads} thread(s)" in out, out
+    ran = re.search(r"ran the 16 chunks as (\d+) partitions of about ([0-9.]+ [KMG]iB)", out)
+    assert ran, out
+    partitions, size = int(ran.group(1)), parse_bytes(ran.group(2))
+    # batch="auto" joins the 2 MiB chunks, and the partitions it says cover the input.
+    assert 1 < 16 // partitions and partitions * size == 32 << 20, out
+    # Counted over the timed run only: the input, once each way, not the warm-up too.
+    copied = "copied in the timed run (the warm-up before it left out): 32.00 MiB in, 32.00 MiB out"
+    assert copied in out, out
+    assert "not for speed" in out
+    assert "result equals plain Dask: True" in out, out

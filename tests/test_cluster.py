@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -189,7 +191,9 @@ def test_local_gpu_cluster_cpu_path() -> None:
             )
         )
         expected = Options.from_config(in_flight=3, backend="host")
-        assert list(info.values()) == [(expected, THREADS_PER_WORKER, None)] * CPU_WORKERS
+        # On the CPU path the workers share this machine's cores, as LocalCluster's do.
+        threads = max(1, len(os.sched_getaffinity(0)) // CPU_WORKERS)
+        assert list(info.values()) == [(expected, threads, None)] * CPU_WORKERS
 
         x = da.random.random((1000, 64), chunks=(125, 64))
         ours = dask_overlap.map_blocks(func, x, split_axis=0, sub_chunk_bytes="8KiB")
@@ -244,6 +248,16 @@ def test_local_gpu_cluster_without_gpu_says_so(monkeypatch: pytest.MonkeyPatch) 
 
 
 # --- layout and options, no cluster -------------------------------------------------
+
+
+def test_threads_per_worker_default_to_four_per_gpu() -> None:
+    """The advice (about four partitions in flight per GPU) is the default everywhere."""
+    assert THREADS_PER_WORKER == 4
+    gpus = plan_workers(cuda_visible_devices="0,1", options=Options.from_config(backend="host"))
+    assert gpus.threads_per_worker == THREADS_PER_WORKER
+    cpu = plan_workers(cuda_visible_devices="", allow_cpu=True)
+    assert cpu.threads_per_worker == max(1, len(os.sched_getaffinity(0)) // cpu.n_workers)
+    assert WorkerLayout(64, (), cpu.options).threads_per_worker == 1  # never below one
 
 
 def test_parse_devices_and_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -373,3 +387,44 @@ def test_two_workers_on_one_gpu() -> None:
         np.testing.assert_array_equal(got, theirs)
         stats = client.run(runtime_stats)
         assert all(s["backend"] == "cuda" and s["partitions"] > 0 for s in stats.values())
+
+
+# A client with no bokeh (an install without the dashboard extra): bokeh's import fails.
+NO_BOKEH_SCRIPT = """
+import json, logging, sys, urllib.request
+sys.modules["bokeh"] = None
+from distributed import Client
+from dask_overlap import LocalGPUCluster
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["debug"]:
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("dask_overlap").setLevel(logging.DEBUG)
+    for _ in range(2):
+        with (
+            LocalGPUCluster(allow_cpu=True, cuda_visible_devices="", n_workers=1,
+                            threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster,
+            Client(cluster),
+        ):
+            url = cluster.dashboard_link.rsplit("/", 1)[0] + "/overlap.json"
+            with urllib.request.urlopen(url, timeout=30) as answer:
+                print("overlap.json:", answer.status, type(json.load(answer)).__name__)
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "debug"])
+def test_no_bokeh_is_not_said_on_every_cluster(mode: str, tmp_path: Any) -> None:
+    script = tmp_path / "no_bokeh.py"
+    script.write_text(NO_BOKEH_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, str(script), mode], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The page's JSON twin is served all the same.
+    assert done.stdout.count("overlap.json: 200 dict") == 2, done.stdout + done.stderr[-3000:]
+    said = done.stderr.count("no /overlap page without bokeh")
+    # At debug level only: nothing by default, once per cluster where debug is asked for.
+    assert said == (2 if mode == "debug" else 0), done.stderr[-3000:]

@@ -101,3 +101,25 @@ def test_a_missing_input_needs_make(tmp_path):
     assert done.returncode == 2
     assert "missing.zarr does not exist; pass --make SIZE to create it" in done.stderr
     assert not (tmp_path / "out.zarr").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_stores_not_named_go_to_a_folder_not_where_it_runs(tmp_path):
+    """Run as the README runs it, from a clone's root: nothing is written there."""
+    here = tmp_path / "clone"
+    here.mkdir()
+    small = ("--make", "1MiB", "--image", "64x128", "--chunk", "128KiB", "--store-chunk", "64KiB")
+    done = run_example(here, *small, "--compare")
+    assert "outputs equal: True" in done.stdout, done.stdout
+    (folder,) = re.findall(r"^stores in (\S+) \(temporary", done.stdout, re.M)
+    assert not Path(folder).exists()  # removed at the end
+    assert list(here.iterdir()) == []
+
+    named = tmp_path / "named"
+    done = run_example(here, *small, "--workdir", str(named))
+    assert f"stores in {named} (kept)" in done.stdout, done.stdout
+    assert sorted(p.name for p in named.iterdir()) == ["in.zarr", "out.zarr"]
+    ref = expected(named / "in.zarr", 2.0)  # the default sigma
+    np.testing.assert_array_equal(zarr.open_array(str(named / "out.zarr"), mode="r")[:], ref)
+    assert list(here.iterdir()) == []

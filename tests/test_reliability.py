@@ -7,7 +7,7 @@ tests/test_reliability.py`` on the device; skipped where no GPU is visible). A c
 is parametrized by backend: on the GPU its partitions are megabytes and its copies tens of
 kilobytes, as a GPU sees them, and its functions are integer arithmetic or single
 correctly rounded operations, whose CuPy results equal NumPy's bit for bit. The cases
-only the GPU has come last. The README's "Reliability" table counts the cases of each kind.
+only the GPU has come last. docs/guide/guarantees.md lists what they hold the library to.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import _thread
 import gc
 import importlib
 import re
+import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -136,6 +137,25 @@ def settled(backend: str, device_before: int, timeout: float = 20.0) -> dict[str
 
 
 # -- 2. KeyboardInterrupt ---------------------------------------------------------------
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """Ctrl-C reaches Python for the test's duration, as it does in a terminal.
+
+    A shell that runs the suite in the background (``pytest &``, some CI runners) starts
+    it with SIGINT ignored, and ``_thread.interrupt_main`` then does nothing: it simulates
+    the signal only where Python handles it. With Python's own handler installed here (and
+    the previous one put back after), it raises KeyboardInterrupt in the main thread as a
+    terminal's Ctrl-C would, whatever the shell; the tests still fail if the library
+    swallows it.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler not installed from Python
+            signal.signal(signal.SIGINT, previous)
+
+
 def interrupt_at(row: int, how: str) -> Callable[[Any], Any]:
     fired = threading.Event()
 
@@ -151,6 +171,7 @@ def interrupt_at(row: int, how: str) -> Callable[[Any], Any]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("ctrl_c")
 @pytest.mark.parametrize("how", ["raise", "interrupt_main"])
 @pytest.mark.parametrize("split_axis", [0, None])
 def test_keyboard_interrupt_in_the_threaded_scheduler(how, split_axis):
@@ -172,6 +193,7 @@ def test_keyboard_interrupt_in_the_threaded_scheduler(how, split_axis):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("ctrl_c")
 @pytest.mark.parametrize("split_axis", [0, None])
 def test_keyboard_interrupt_while_the_runner_waits(split_axis):
     """The synchronous scheduler: Ctrl-C lands in the partition's own submitter thread,
@@ -944,6 +966,7 @@ def test_func_raises(cupy: Any, row: int, split_axis: int | None) -> None:
 # -- 2. KeyboardInterrupt in the threaded scheduler -------------------------------------
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("ctrl_c")
 def test_keyboard_interrupt(cupy: Any) -> None:
     device_before = warm()
     data = rows_data(3072, 256, np.float32)

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,9 @@ __all__ = ["main", "options_from_params", "worker_protocol"]
 logger = logging.getLogger(__name__)
 
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+# Seconds between the lines that say the workers still wait for their scheduler.
+WAIT_NOTICE_SECONDS = 10.0
 
 
 def _schema() -> dict[str, Any]:
@@ -149,9 +153,9 @@ def main() -> None:
 @click.option(
     "--nthreads",
     type=click.IntRange(min=1),
-    default=THREADS_PER_WORKER,
-    show_default=True,
-    help="Threads per worker: partitions in flight per GPU, sharing its runtime.",
+    help="Threads per worker: partitions in flight per GPU, sharing its runtime [default: "
+    f"{THREADS_PER_WORKER} per GPU; with --allow-cpu on a machine with no GPU, this "
+    "machine's cores shared among the workers].",
 )
 @click.option(
     "--cuda-visible-devices",
@@ -204,7 +208,7 @@ def worker(
     scheduler: str | None,
     scheduler_file: str | None,
     n_workers: int | None,
-    nthreads: int,
+    nthreads: int | None,
     cuda_visible_devices: str | None,
     allow_cpu: bool,
     memory_limit: str,
@@ -238,6 +242,7 @@ def worker(
             protocol=worker_protocol(protocol, scheduler, scheduler_file),
         )
         limit = parse_memory_limit(memory_limit, 1, layout.n_workers, logger=logger)
+        nthreads = nthreads or layout.threads_per_worker
     except (ValueError, TypeError, RuntimeError, ImportError) as e:
         raise click.ClickException(str(e)) from None
     where = f"GPU(s) {','.join(layout.devices)}" if layout.devices else "no GPU"
@@ -260,17 +265,35 @@ def worker(
         protocol=layout.protocol,
         config=layout.worker_config(),
     )
+    where = f"at {scheduler}" if scheduler else f"in {scheduler_file}"
     try:
         # The nannies start UCX in this process (when it is the protocol).
         with layout.comm_config():
-            asyncio.run(_serve(scheduler, layout, name, common))
+            asyncio.run(_serve(scheduler, layout, name, common, where))
     except TimeoutError:
         click.echo("dask overlap worker: timed out starting or reaching the scheduler", err=True)
         sys.exit(1)
 
 
+async def _still_waiting(where: str) -> None:
+    """Say every ``WAIT_NOTICE_SECONDS`` that the workers still wait for their scheduler
+    (until cancelled), so that an unreachable one is not a silent wait."""
+    t0 = time.monotonic()
+    while True:
+        await asyncio.sleep(WAIT_NOTICE_SECONDS)
+        click.echo(
+            f"dask overlap worker: still waiting for the scheduler {where} "
+            f"({time.monotonic() - t0:.0f} s)",
+            err=True,
+        )
+
+
 async def _serve(
-    scheduler: str | None, layout: WorkerLayout, name: str | None, common: dict[str, Any]
+    scheduler: str | None,
+    layout: WorkerLayout,
+    name: str | None,
+    common: dict[str, Any],
+    where: str,
 ) -> None:
     plugin = OverlapPlugin(layout.options)
     nannies = [
@@ -287,7 +310,21 @@ async def _serve(
     ]
 
     async def run_all() -> None:
-        await asyncio.gather(*nannies)
+        # Said once the signal handlers are in place (that task started first).
+        waits = "forever" if common["death_timeout"] is None else f"{common['death_timeout']:g} s"
+        click.echo(
+            f"dask overlap worker: waiting for the scheduler {where} (at most: {waits}, "
+            "--death-timeout; SIGINT or SIGTERM stops cleanly)",
+            err=True,
+        )
+        notice = asyncio.create_task(_still_waiting(where))
+        try:
+            await asyncio.gather(*nannies)
+        finally:
+            notice.cancel()
+        click.echo(
+            f"dask overlap worker: joined the scheduler at {nannies[0].scheduler_addr}", err=True
+        )
         # The scheduler's /overlap page; a warning, not a failure, if it cannot load it.
         await register_with_scheduler(nannies[0].scheduler_addr, nannies[0].connection_args)
         await asyncio.gather(*(n.finished() for n in nannies))
@@ -299,8 +336,12 @@ async def _serve(
         reason = f"signal-{signalled.result()}"
         await asyncio.gather(*(n.close(timeout=10, reason=reason) for n in nannies))
         running.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await running
+        # Closing a nanny that is still reaching its scheduler fails its start (the
+        # connection pool closes under it): that is the stop asked for, not an error.
+        (outcome,) = await asyncio.gather(running, return_exceptions=True)
+        if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+            logger.debug("dask overlap worker: stopped while starting: %r", outcome)
+        click.echo(f"dask overlap worker: stopped ({reason})", err=True)
     else:
         signalled.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -33,7 +33,7 @@ from distributed.worker_memory import parse_memory_limit
 
 from ..config import Options, check_positive_int
 from ..dashboard import OverlapSchedulerPlugin
-from .affinity import CPUAffinity, gpu_cores, nvml
+from .affinity import CPUAffinity, gpu_cores, nvml, process_cores
 from .plugin import OverlapPlugin, resolve_options
 from .ucx import UCXSettings, check_protocol, is_ucx, require_ucx, scheme_of, ucx_settings
 
@@ -46,11 +46,16 @@ __all__ = [
     "visible_gpus",
 ]
 
-# Partitions a worker runs at once. Two let one partition's copies overlap another's
-# kernel on the same GPU; more mostly add pinned memory held by partitions in flight.
-THREADS_PER_WORKER = 2
+# Threads of a GPU worker: the partitions in flight on its GPU. Measured on an H200
+# (benchmarks/results/REPORT-cuda.md): across partitions alone, 4 threads ran 1.99x one
+# thread's rate and 2 threads 1.58x; the tuned cases reached 0.85-0.92 of the PCIe bound
+# at 4, and more than 4 rarely helped; the demo ran 13.0 / 13.2 / 13.8 GB/s at 2 / 4 / 8.
+# sub-chunk-bytes: auto also assumes about four partitions in flight.
+THREADS_PER_WORKER = 4
 
-# Workers of a CPU-path cluster (allow_cpu=True on a machine with no GPU).
+# Workers of a CPU-path cluster (allow_cpu=True on a machine with no GPU). They share the
+# cores this process may use, as distributed.LocalCluster's workers do (see
+# WorkerLayout.threads_per_worker): there the partitions in flight are work for the cores.
 CPU_WORKERS = 2
 
 logger = logging.getLogger(__name__)
@@ -188,6 +193,22 @@ class WorkerLayout:
         # A device listed twice (two workers on one GPU) must not repeat in one list.
         return {"CUDA_VISIBLE_DEVICES": ",".join(dict.fromkeys(rotated)), **env}
 
+    @property
+    def threads_per_worker(self) -> int:
+        """The default threads of each worker: ``THREADS_PER_WORKER`` (partitions in flight
+        per GPU) on GPUs; on the CPU path, the cores this process may use shared among
+        the workers, at least one each.
+
+        Examples
+        --------
+        >>> WorkerLayout(1, ("0",), Options.from_config()).threads_per_worker
+        4
+        """
+        if self.devices:
+            return THREADS_PER_WORKER
+        cores = process_cores()
+        return max(1, (len(cores) if cores else os.cpu_count() or 1) // self.n_workers)
+
     def worker_config(self) -> dict[str, Any]:
         """``dask.config`` settings each worker process starts with (UCX's, or none)."""
         return {} if self.ucx is None else self.ucx.worker_config()
@@ -310,7 +331,9 @@ class LocalGPUCluster(LocalCluster):
         Default one per GPU; more than the GPUs share them in turn (two workers on one GPU
         exercise the multi-worker path on one card).
     threads_per_worker
-        Partitions in flight per worker (default ``THREADS_PER_WORKER``).
+        Partitions in flight per worker: default ``THREADS_PER_WORKER`` (4) on GPUs; on
+        the CPU path, this machine's cores shared among the workers (see
+        :attr:`WorkerLayout.threads_per_worker`).
     cuda_visible_devices
         GPUs to use; default those this machine shows (see :func:`visible_gpus`).
     allow_cpu
@@ -368,7 +391,9 @@ class LocalGPUCluster(LocalCluster):
         scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
         dashboard_plugin = OverlapSchedulerPlugin()
         scheduler_kwargs["plugins"] = [*scheduler_kwargs.get("plugins", ()), dashboard_plugin]
-        threads = THREADS_PER_WORKER if threads_per_worker is None else threads_per_worker
+        threads = (
+            self.layout.threads_per_worker if threads_per_worker is None else threads_per_worker
+        )
         if memory_limit is not None:
             memory_limit = parse_memory_limit(memory_limit, 1, self.layout.n_workers, logger=logger)
         # Start with no workers: LocalCluster gives all its workers one spec, and each of

@@ -111,7 +111,12 @@ class OverlapSchedulerPlugin(SchedulerPlugin):
         except ImportError as e:
             # The JSON needs no bokeh: serve it on the scheduler's own HTTP server.
             http.add_handlers(r".*", [json_route])
-            logger.warning(
+            # Where bokeh is not installed (an install without the dashboard extra, which
+            # has no Dask dashboard pages either) this is said at debug level, not on every
+            # cluster a client starts; a bokeh that is there but fails to load is warned of.
+            absent = isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "bokeh"
+            logger.log(
+                logging.DEBUG if absent else logging.WARNING,
                 "dask_overlap: no /overlap page without bokeh (%s); /overlap.json is served "
                 "(pip install bokeh, or the dashboard extra, for the page)",
                 e,
