@@ -279,7 +279,8 @@ def _print_report(
     copies = (
         f"{moved_in} host to device, {moved_out} device to host"
         if setup.gpu
-        else f"{moved_in} in, {moved_out} out (the host backend's stand-ins for a GPU's copies)"
+        else f"{moved_in} handed to func as it is, {moved_out} copied into outputs (the CPU "
+        "path makes no copy that only a GPU needs: a partition's result is its output)"
     )
     print(
         f"copied in the timed run (the warm-up before it left out): {copies}; backpressure "

@@ -229,7 +229,7 @@ def test_demo_numbers_add_up(tmp_path: Path) -> None:
     # batch="auto" joins the 2 MiB chunks, and the partitions it says cover the input.
     assert 1 < 16 // partitions and partitions * size == 32 << 20, out
     # Counted over the timed run only: the input, once each way, not the warm-up too.
-    copied = "copied in the timed run (the warm-up before it left out): 32.00 MiB in, 32.00 MiB out"
-    assert copied in out, out
+    copied = "copied in the timed run (the warm-up before it left out): 32.00 MiB handed to func"
+    assert copied in out and "0 B copied into outputs" in out, out
     assert "not for speed" in out
     assert "result equals plain Dask: True" in out, out
