@@ -149,7 +149,7 @@ class Options:
     streams: int
     staging_threads: int | str  # or "auto": see copies.auto_threads
     pinned_pool_size: int
-    direct_bytes: int | str  # or "auto": see pipeline.subchunks.resolve_direct_bytes
+    direct_bytes: int | str  # or "auto": see pipeline.runtime.resolve_direct_bytes
     device_pool_size: int
     device_memory_resource: str
     cpu_affinity: bool  # GPU workers keep to their GPU's cores: see cluster.affinity

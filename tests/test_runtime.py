@@ -279,15 +279,16 @@ def test_large_staging_is_cut_into_pieces_for_the_copy_threads(monkeypatch):
     from dask_overlap.backends.host import HostBackend
 
     seen: list[tuple[int, str]] = []
-    stage = HostBackend.stage
+    stage = HostBackend.host_copy
 
     def recording(self, src, dst):
         import threading
 
-        seen.append((src.nbytes, threading.current_thread().name))
+        if self.pinned.owns(dst):  # into the ring: staging (unstaging copies out of it)
+            seen.append((src.nbytes, threading.current_thread().name))
         stage(self, src, dst)
 
-    monkeypatch.setattr(HostBackend, "stage", recording)
+    monkeypatch.setattr(HostBackend, "host_copy", recording)
     data = np.ones((16384, 1024), dtype=np.float32)  # 64 MiB
     x = da.from_array(data, chunks=(16384, 1024))
     with dask.config.set({"overlap.staging-threads": 4}):

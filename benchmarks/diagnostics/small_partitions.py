@@ -31,7 +31,7 @@ import sys
 from dask.utils import format_bytes, parse_bytes
 
 from dask_overlap import Options
-from dask_overlap.pipeline.subchunks import EVERY_SUB_CHUNK, resolve_direct_bytes
+from dask_overlap.pipeline.runtime import EVERY_SUB_CHUNK, resolve_direct_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import (  # noqa: E402

@@ -1,10 +1,20 @@
 """The backend interface: what the partition runner asks of a device, and nothing more.
 
-A backend provides ordered *streams* (a CUDA stream, or a thread standing in for one), a
-bounded *pinned host pool*, and five operations: ``stage`` (host copy into pinned memory),
-``copy_in``, ``compute``, ``copy_out`` and ``unstage`` (host copy out of pinned memory).
-The runner calls ``copy_in``, ``compute`` and ``copy_out`` only through
-:meth:`Stream.submit`, so they run in the stream's order.
+A backend has four concerns, each a small protocol here, and :class:`Backend` is all of
+them:
+
+- **streams and transfers** (:class:`Transfers`): ordered *streams* (a CUDA stream, or a
+  thread standing in for one) and the work put on them: the copy to the device, ``func``,
+  the copy back; the runner calls them only through :meth:`Stream.submit` or
+  :meth:`Stream.run`, so they run in the stream's order;
+- **host copies** (:meth:`Transfers.host_copy`): one copy between host arrays, which the
+  copy threads run to stage pageable input into the pinned ring and to unstage results
+  out of it;
+- **memory** (:class:`Memory`): a bounded *pinned host pool* (:class:`HostPool`), what is
+  already on the device or pinned, the device memory a partition borrows, and what an
+  out-of-memory error means;
+- **clock** (:class:`Clock`): marks in a stream's order, resolved into host times once
+  their work has completed (the timeline's spans).
 
 The backends also offer a ``naive(func, *blocks)``: what the usual code does, one step at
 a time. It is the benchmarks' and the demo's point of comparison, which the runner never
@@ -22,7 +32,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Backend", "HostPool", "Reservation", "Stream", "requested_bytes"]
+__all__ = [
+    "Backend",
+    "Clock",
+    "HostPool",
+    "Memory",
+    "Reservation",
+    "Stream",
+    "Transfers",
+    "requested_bytes",
+]
 
 OnDone = Callable[[Any, "BaseException | None"], None]
 
@@ -60,38 +79,14 @@ class Stream(Protocol):
         """
 
 
-class Backend(Protocol):
-    """One device's operations (see the module docstring)."""
-
-    name: str
-    pinned: HostPool
-    #: Whether device memory is ordinary host memory (a result there is already an
-    #: ordinary NumPy array).
-    host_memory: bool
-    #: Whether marks are dear enough (driver calls) that the lean path times only some
-    #: partitions' stages (see :mod:`dask_overlap.pipeline.sampling`).
-    sampled_timing: bool
+class Transfers(Protocol):
+    """Streams, and the work the runner puts on them (see the module docstring)."""
 
     def make_stream(self) -> Stream: ...
 
-    def is_device(self, x: Any) -> bool:
-        """Whether ``x`` is already a device array (no copy-in needed)."""
-
-    def is_pinned(self, x: np.ndarray) -> bool:
-        """Whether host array ``x`` lives in pinned memory (no staging needed)."""
-
-    def scratch(self) -> contextlib.AbstractContextManager[None]:
-        """Entered around stream work whose device memory is all let go of when its
-        partition ends: the backend may serve it from a cache (emptied by :meth:`trim`)."""
-
-    def trim(self) -> None:
-        """Give cached device memory back to the device pool (no partition runs now)."""
-
-    def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Host copy of pageable ``src`` into pinned ``dst`` (runs on a copy thread)."""
-
-    def unstage(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Host copy of pinned ``src`` into the result ``dst`` (runs on a copy thread)."""
+    def host_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Host copy of ``src`` into ``dst`` (one piece of a staging or unstaging copy; runs
+        on a copy thread)."""
 
     def copy_in(self, stream: Stream, host: np.ndarray) -> Any:
         """Device copy of ``host``; called in ``stream``'s order."""
@@ -117,14 +112,52 @@ class Backend(Protocol):
         """``blocks`` (some on the device) joined along ``axis`` into one device array,
         ordered so that a partition's copy-in of a device input waits for it."""
 
-    def wait(self, stream: Stream, mark: Any) -> None:
-        """Order ``stream``'s next work after ``mark`` (made by :meth:`mark` on another)."""
-
     def place(self, stream: Stream, device: Any, out: Any) -> None:
         """Copy device array ``device`` into device array ``out``, in ``stream``'s order."""
 
+
+class Memory(Protocol):
+    """Where data lives, and the pools it is borrowed from."""
+
+    pinned: HostPool
+    #: Whether device memory is ordinary host memory (a result there is already an
+    #: ordinary NumPy array, and a copy to "the device" would serve nothing).
+    host_memory: bool
+    #: The device this backend runs on (0 where there is one device, or none).
+    device_id: int
+
+    def is_device(self, x: Any) -> bool:
+        """Whether ``x`` is already a device array (no copy-in needed)."""
+
+    def is_pinned(self, x: np.ndarray) -> bool:
+        """Whether host array ``x`` lives in pinned memory (no staging needed)."""
+
+    def scratch(self) -> contextlib.AbstractContextManager[None]:
+        """Entered around stream work whose device memory is all let go of when its
+        partition ends: the backend may serve it from a cache (emptied by :meth:`trim`)."""
+
+    def trim(self) -> None:
+        """Give cached device memory back to the device pool (no partition runs now)."""
+
+    def device_bytes_in_use(self) -> int | None:
+        """Bytes the device pool holds, when the backend can tell (else ``None``)."""
+
+    def describe_oom(self, error: BaseException) -> str | None:
+        """What ran out and how much was asked, if ``error`` is an out-of-memory error."""
+
+
+class Clock(Protocol):
+    """Marks in a stream's order, and the host times they stand for."""
+
+    #: Whether marks are dear enough (driver calls) that a partition of one sub-chunk
+    #: is timed only now and then (see :mod:`dask_overlap.pipeline.sampling`).
+    sampled_timing: bool
+
     def mark(self, stream: Stream) -> Any:
         """A point in ``stream``'s order (called in stream order, around each operation)."""
+
+    def wait(self, stream: Stream, mark: Any) -> None:
+        """Order ``stream``'s next work after ``mark`` (made by :meth:`mark` on another)."""
 
     def resolve(self, marks: list[Any]) -> list[float]:
         """The ``time.time()`` at which each mark was reached on the device.
@@ -132,11 +165,11 @@ class Backend(Protocol):
         Called only after the marks' stream work has completed (for CUDA: events).
         """
 
-    def device_bytes_in_use(self) -> int | None:
-        """Bytes the device pool holds, when the backend can tell (else ``None``)."""
 
-    def describe_oom(self, error: BaseException) -> str | None:
-        """What ran out and how much was asked, if ``error`` is an out-of-memory error."""
+class Backend(Transfers, Memory, Clock, Protocol):
+    """One device's operations: the four concerns of the module docstring."""
+
+    name: str
 
     def close(self) -> None: ...
 

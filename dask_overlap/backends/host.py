@@ -104,6 +104,7 @@ class HostBackend:
 
     name = "host"
     host_memory = True
+    device_id = 0
     sampled_timing = False  # a mark reads the host clock
 
     def __init__(self, pinned_pool_size: int):
@@ -126,10 +127,7 @@ class HostBackend:
     def is_pinned(self, x: np.ndarray) -> bool:
         return self.pinned.owns(x)
 
-    def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
-        np.copyto(dst, src)
-
-    def unstage(self, src: np.ndarray, dst: np.ndarray) -> None:
+    def host_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         np.copyto(dst, src)
 
     def copy_in(self, stream: Any, host: np.ndarray) -> np.ndarray:

@@ -75,14 +75,10 @@ class TimedBackend(HostBackend):
         self.d2h_engine = _Engine()
         self.default_stream = _Engine()
 
-    def stage(self, src: np.ndarray, dst: np.ndarray) -> None:
+    def host_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        # Staging and unstaging alike: a host copy on the copy threads.
         with _takes_at_least(src.nbytes / self.model.staging_bandwidth):
-            super().stage(src, dst)
-
-    def unstage(self, src: np.ndarray, dst: np.ndarray) -> None:
-        # The same host copy as staging, in the other direction, on the same threads.
-        with _takes_at_least(src.nbytes / self.model.staging_bandwidth):
-            super().unstage(src, dst)
+            super().host_copy(src, dst)
 
     def copy_in(self, stream: Any, host: np.ndarray) -> np.ndarray:
         with self.h2d_engine.run(host.nbytes / self.model.h2d_bandwidth):

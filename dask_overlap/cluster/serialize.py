@@ -39,7 +39,7 @@ serializers lazily, the first time a CuPy type is dispatched; :func:`register` m
 happen first, so that it cannot replace ours later (once ``distributed.protocol.cupy``
 is imported, firing again imports nothing), and keeps distributed's functions as the
 fallback. (Distributed's cannot load without numba, which its RMM deserializer imports;
-then the fallback is the same pageable path, written out in :class:`CupyArrays`.)
+then the fallback is the same pageable path, written out in ``CupyArrays``.)
 
 Importing this module registers the serializers (unless ``overlap.pinned-serialize`` is
 false); a process with no lender (a client, say) reaches distributed's path through them.
@@ -64,20 +64,18 @@ from ..process import Registry
 if TYPE_CHECKING:
     from ..pipeline.runtime import Runtime
 
-__all__ = ["CupyArrays", "DeviceArrays", "PinnedSerializer", "register", "unregister"]
+__all__ = ["DeviceArrays", "PinnedSerializer", "register", "unregister"]
 
 Header = dict[str, Any]
 Dumps = Callable[[Any], tuple[Header, list[Any]]]
 Loads = Callable[[Header, Sequence[Any]], Any]
 
-_H2D = 1  # cudaMemcpyHostToDevice
-_D2H = 2  # cudaMemcpyDeviceToHost
-
 
 class DeviceArrays(Protocol):
-    """The array module's side of the serializers: CuPy's (:class:`CupyArrays`), or a
-    NumPy stand-in's in the tests. Pinned memory, streams and copy threads are the
-    lending runtime's."""
+    """The array module's side of the serializers: CuPy's
+    (:class:`~dask_overlap.backends.cuda_arrays.CupyArrays`, which owns what it takes of
+    the cuda backend's streams), or a NumPy stand-in's in the tests. Pinned memory,
+    streams and copy threads are the lending runtime's."""
 
     #: The array type the serializers are registered for.
     array_type: type
@@ -108,100 +106,6 @@ class DeviceArrays(Protocol):
 
     def pageable_loads(self, header: Header, frames: Sequence[Any]) -> Any:
         """Distributed's own deserializer, written out."""
-
-
-class CupyArrays:
-    """:class:`DeviceArrays` for CuPy, on a cuda runtime's
-    :class:`~dask_overlap.backends.cuda.CudaStream`.
-
-    Examples
-    --------
-    >>> CupyArrays().array_type  # doctest: +SKIP
-    <class 'cupy.ndarray'>
-    """
-
-    def __init__(self) -> None:
-        import cupy  # here, not at import: importing this module must not need CuPy
-
-        self.cupy = cupy
-        self.array_type: type = cupy.ndarray
-
-    def device_id(self, x: Any) -> int:
-        return int(x.device.id)
-
-    def current_device(self) -> int:
-        return int(self.cupy.cuda.runtime.getDevice())
-
-    def header(self, x: Any) -> Header:
-        # Read on the calling thread, outside our stream: the interface's "stream" entry
-        # is then the one distributed's own header would carry.
-        header = x.__cuda_array_interface__.copy()
-        header["strides"] = tuple(x.strides)
-        return header
-
-    def _after(self, stream: Any, caller: Any) -> None:
-        """``stream`` (current, in :meth:`CudaStream.run`) waits for ``caller``'s work."""
-        if not caller.done:  # one query costs less than an event recorded and waited for
-            stream.cupy.wait_event(caller.record())
-
-    def to_host(self, stream: Any, x: Any, out: np.ndarray) -> Any:
-        cupy = self.cupy
-        # The array was made in this thread's stream order (the legacy default stream for
-        # plain CuPy code), which our non-blocking stream does not wait for by itself.
-        caller = cupy.cuda.get_current_stream()
-
-        def enqueue() -> Any:
-            self._after(stream, caller)
-            src = x
-            if not (x.flags["C_CONTIGUOUS"] or x.flags["F_CONTIGUOUS"]):
-                src = cupy.array(x, copy=True)  # as distributed does: the same layout
-            if src.nbytes:
-                cupy.cuda.runtime.memcpyAsync(
-                    out.ctypes.data, src.data.ptr, src.nbytes, _D2H, stream.ptr
-                )
-            return src
-
-        # ``run`` waits for the copy (a blocking event, no spinning CPU): the frame is
-        # complete before distributed sees it, and ``out`` may then be sent from.
-        return stream.run(enqueue)
-
-    def to_device(self, stream: Any, src: np.ndarray, header: Header) -> Any:
-        cupy = self.cupy
-        caller = cupy.cuda.get_current_stream()
-        # Allocated in the caller's stream order, as distributed's own deserializer does:
-        # whoever uses (and frees) the array on that stream next needs nothing more, and
-        # our stream waits for the allocation before it copies into it.
-        buf = cupy.empty(src.nbytes, cupy.uint8)
-
-        def enqueue() -> None:
-            self._after(stream, caller)
-            if src.nbytes:
-                cupy.cuda.runtime.memcpyAsync(
-                    buf.data.ptr, src.ctypes.data, src.nbytes, _H2D, stream.ptr
-                )
-
-        stream.run(enqueue)  # waited for: ``src`` may go back to the pool afterwards
-        return self._view(buf, header)
-
-    def _view(self, buf: Any, header: Header) -> Any:
-        """The ``uint8`` device array ``buf``'s memory as the array ``header`` describes."""
-        shape, dtype, strides = header["shape"], header["typestr"], header["strides"]
-        return self.cupy.ndarray(shape=shape, dtype=dtype, memptr=buf.data, strides=strides)
-
-    def pageable_dumps(self, x: Any) -> tuple[Header, list[Any]]:
-        # distributed.protocol.cupy.dask_serialize_cupy_ndarray, step for step.
-        cupy = self.cupy
-        if not (x.flags["C_CONTIGUOUS"] or x.flags["F_CONTIGUOUS"]):
-            x = cupy.array(x, copy=True)
-        header = self.header(x)
-        flat = cupy.ndarray(shape=(x.nbytes,), dtype=cupy.dtype("u1"), memptr=x.data, strides=(1,))
-        return header, [memoryview(cupy.asnumpy(flat))]
-
-    def pageable_loads(self, header: Header, frames: Sequence[Any]) -> Any:
-        # distributed.protocol.cupy.dask_deserialize_cupy_ndarray: one H2D from the frame
-        # on the current stream, synchronous.
-        (frame,) = frames
-        return self._view(self.cupy.asarray(np.frombuffer(frame, np.uint8)), header)
 
 
 # The runtimes lending their pinned pool, streams and copy threads, by (array type,
@@ -282,7 +186,7 @@ class PinnedSerializer:
         if block is None:
             rt.counters.add(deserialize_fallbacks=1)
             return self.fallback_loads(header, frames)
-        rt.copies.run([(src, block)], rt.backend.stage)  # in parallel pieces, waited for
+        rt.copies.run([(src, block)], rt.backend.host_copy)  # in parallel pieces, waited for
         stream = rt.acquire_stream()
         try:
             out = self.arrays.to_device(stream, block, header)
@@ -317,7 +221,8 @@ def register(
         The runtime that lends, for its device. Without one, the serializers are put in
         place and serve from whatever runtime lends (none: distributed's path).
     arrays
-        The array module's side; :class:`CupyArrays` when omitted.
+        The array module's side; CuPy's (``backends.cuda_arrays.CupyArrays``) when
+        omitted.
 
     Returns
     -------
@@ -334,6 +239,8 @@ def register(
     """
     if arrays is None:
         try:
+            from ..backends.cuda_arrays import CupyArrays
+
             arrays = CupyArrays()
         except ImportError:
             return None
@@ -359,7 +266,7 @@ def register(
             dask_serialize.register(t, ours.dumps)
             dask_deserialize.register(t, ours.loads)
     if runtime is not None:
-        device = getattr(runtime.backend, "device_id", 0)
+        device = runtime.backend.device_id
         with _lenders.lock:
             _lenders.items[(t, device)] = weakref.ref(runtime)
     return ours

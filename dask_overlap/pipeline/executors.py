@@ -104,7 +104,7 @@ class InlineExecutor(_Executor):
         try:
             if stage == Stage.STAGING:
                 sub.stage_now = Stage.STAGING
-                self._copy(i, stage, work.stage_copies(i), work.backend.stage)
+                self._copy(i, stage, work.stage_copies(i), work.backend.host_copy)
                 done = Stage.STAGING
             elif stage == Stage.H2D:
                 stream = self._lease(i)
@@ -112,7 +112,7 @@ class InlineExecutor(_Executor):
                 done = Stage.D2H
             else:
                 sub.stage_now = Stage.UNSTAGING
-                self._copy(i, stage, work.unstage_copies(i), work.backend.unstage)
+                self._copy(i, stage, work.unstage_copies(i), work.backend.host_copy)
                 done = Stage.UNSTAGING
         except BaseException as e:  # func's Ctrl-C too: the driver drains and re-raises
             self._ready.append(Failed(sub.stage_now, i, e))
@@ -151,11 +151,11 @@ class ThreadedExecutor(_Executor):
             return  # an earlier stage of it failed; the engine has its Failed event
         try:
             if stage == Stage.STAGING:
-                self._copy(i, stage, work.stage_copies(i), work.backend.stage)
+                self._copy(i, stage, work.stage_copies(i), work.backend.host_copy)
             elif stage == Stage.H2D:
                 self._device(i)
             else:
-                self._copy(i, stage, work.unstage_copies(i), work.backend.unstage)
+                self._copy(i, stage, work.unstage_copies(i), work.backend.host_copy)
         except Exception as e:
             self._post(Failed(stage, i, e))
 

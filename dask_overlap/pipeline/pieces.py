@@ -173,7 +173,7 @@ def join(rt: Runtime, p: Pieces, where: str) -> tuple[Any, int]:
         where[axis] = slice(start, start + b.shape[axis])
         start += b.shape[axis]
         copies.append((b, out[tuple(where)]))
-    rt.copies.run(copies, backend.stage)
+    rt.copies.run(copies, backend.host_copy)
     return out, nbytes
 
 

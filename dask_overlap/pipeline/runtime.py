@@ -32,9 +32,18 @@ from ..process import Registry
 from .copies import Copier, auto_threads
 from .sampling import StageSampler
 from .stats import Counters
-from .subchunks import resolve_direct_bytes
 
-__all__ = ["Runtime", "Span", "close_runtimes", "idle_stats", "process_runtime", "process_runtimes"]
+__all__ = [
+    "DIRECT_BYTES_AUTO",
+    "EVERY_SUB_CHUNK",
+    "Runtime",
+    "Span",
+    "close_runtimes",
+    "idle_stats",
+    "process_runtime",
+    "process_runtimes",
+    "resolve_direct_bytes",
+]
 
 logger = logging.getLogger(__name__)
 TIMELINE_LENGTH = 20_000
@@ -45,6 +54,31 @@ DRAIN_SECONDS = 30.0
 #: How often the runtime looks whether it is idle, to give the backend's cached device
 #: memory back (see Runtime._trim_when_idle).
 TRIM_SECONDS = 0.5
+
+
+#: ``direct-bytes: auto`` where the device has memory of its own.
+DIRECT_BYTES_AUTO = 1 << 20
+#: ``direct-bytes: auto`` where the device's memory is host memory: every sub-chunk.
+EVERY_SUB_CHUNK = -1
+
+
+def resolve_direct_bytes(direct_bytes: int | str, host_memory: bool) -> int:
+    """The ``direct-bytes`` a runtime applies: a number of bytes, or
+    :data:`EVERY_SUB_CHUNK` (``auto`` on a backend whose device memory is host memory,
+    where the ring's copies would serve no device).
+
+    Examples
+    --------
+    >>> resolve_direct_bytes("auto", host_memory=False) == DIRECT_BYTES_AUTO
+    True
+    >>> resolve_direct_bytes("auto", host_memory=True) == EVERY_SUB_CHUNK
+    True
+    >>> resolve_direct_bytes(0, host_memory=True)
+    0
+    """
+    if direct_bytes != "auto":
+        return int(direct_bytes)
+    return EVERY_SUB_CHUNK if host_memory else DIRECT_BYTES_AUTO
 
 
 class Span(NamedTuple):

@@ -15,32 +15,9 @@ from ..backends.base import Backend
 from .engine import Stage
 from .layout import Layout
 from .pieces import PinnedBlocks
+from .runtime import EVERY_SUB_CHUNK
 
-__all__ = ["DIRECT_BYTES_AUTO", "Admission", "SubChunk", "resolve_direct_bytes"]
-
-#: ``direct-bytes: auto`` where the device has memory of its own.
-DIRECT_BYTES_AUTO = 1 << 20
-#: ``direct-bytes: auto`` where the device's memory is host memory: every sub-chunk.
-EVERY_SUB_CHUNK = -1
-
-
-def resolve_direct_bytes(direct_bytes: int | str, host_memory: bool) -> int:
-    """The ``direct-bytes`` a runtime applies: a number of bytes, or
-    :data:`EVERY_SUB_CHUNK` (``auto`` on a backend whose device memory is host memory,
-    where the ring's copies would serve no device).
-
-    Examples
-    --------
-    >>> resolve_direct_bytes("auto", host_memory=False) == DIRECT_BYTES_AUTO
-    True
-    >>> resolve_direct_bytes("auto", host_memory=True) == EVERY_SUB_CHUNK
-    True
-    >>> resolve_direct_bytes(0, host_memory=True)
-    0
-    """
-    if direct_bytes != "auto":
-        return int(direct_bytes)
-    return EVERY_SUB_CHUNK if host_memory else DIRECT_BYTES_AUTO
+__all__ = ["Admission", "SubChunk"]
 
 
 class SubChunk:
