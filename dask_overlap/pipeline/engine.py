@@ -60,11 +60,20 @@ DEVICE_STAGES = (Stage.H2D, Stage.COMPUTE, Stage.D2H)
 
 @dataclasses.dataclass(frozen=True)
 class SubChunk:
-    """Rows ``[start, stop)`` of a partition along the split axis."""
+    """Rows ``[start, stop)`` of a partition along the split axis: what it writes. What
+    it reads, ``[read_start, read_stop)``, may be wider (a halo); by default the same."""
 
     index: int
     start: int
     stop: int
+    read_start: int = -1  # -1: start
+    read_stop: int = -1  # -1: stop
+
+    def __post_init__(self) -> None:
+        if self.read_start < 0:
+            object.__setattr__(self, "read_start", self.start)
+        if self.read_stop < 0:
+            object.__setattr__(self, "read_stop", self.stop)
 
     @property
     def extent(self) -> int:

@@ -71,18 +71,19 @@ class Layout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "cut", len(self.plan.sub_chunks) > 1)
 
-    def inputs(self, args: list[Any], i: int) -> list[Any]:
-        """Sub-chunk ``i``'s slice of each array argument, in ``axes`` order."""
+    def inputs(self, inputs: dict[int, Any], i: int) -> list[Any]:
+        """Sub-chunk ``i``'s read window of each input (by argument position, in ``axes``
+        order: :class:`~.inputs.Input` objects, or anything with ``part``)."""
         if not self.cut:
-            return list(map(args.__getitem__, self.axes))
+            return list(map(inputs.__getitem__, self.axes))
         sub = self.plan.sub_chunks[i]
         return [
-            args[p] if ax is None else args[p][along(ax, sub.start, sub.stop)]
+            inputs[p] if ax is None else inputs[p].part(along(ax, sub.read_start, sub.read_stop))
             for p, ax in self.axes.items()
         ]
 
     def out_slice(self, out: Any, i: int) -> Any:
-        """Sub-chunk ``i``'s part of the partition's output ``out``."""
+        """Sub-chunk ``i``'s part of the partition's output ``out`` (its write window)."""
         if not self.cut:
             return out
         sub = self.plan.sub_chunks[i]

@@ -247,9 +247,7 @@ def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
             args[p] = a
             if copied:
                 rt.counters.add(bytes_staged=copied)
-            if type(a) is PinnedBlocks:
-                continue  # copied to the device block by block
-        if type(a) is not np.ndarray and not is_device(a):
+        if type(a) is not np.ndarray and type(a) is not PinnedBlocks and not is_device(a):
             # A subclass whose meaning the copies would lose.
             refuse_block(a, partition_name(spec.key))
             args[p] = np.asarray(a)

@@ -14,7 +14,6 @@ from typing import Any
 from ..backends.base import Backend
 from .engine import Stage
 from .layout import Layout
-from .pieces import PinnedBlocks
 from .runtime import EVERY_SUB_CHUNK
 
 __all__ = ["Admission", "SubChunk"]
@@ -72,16 +71,16 @@ class Admission:
         ``overlap.direct-bytes`` as the runtime resolved it: a sub-chunk moving at most
         this much, in and out, skips the ring; every one does with
         :data:`EVERY_SUB_CHUNK`.
-    lay, args
-        The partition's layout and its arguments (blocks already plain arrays).
+    lay, inputs
+        The partition's layout and its inputs (:class:`~.inputs.Input`, by argument
+        position).
     out, out_shape, out_dtype
         The partition spec's ``out`` mode and what the output declares for this block.
     """
 
     __slots__ = (
-        "_pinned",
-        "args",
         "backend",
+        "inputs",
         "direct_bytes",
         "lay",
         "out",
@@ -97,7 +96,7 @@ class Admission:
         backend: Backend,
         direct_bytes: int,
         lay: Layout,
-        args: list[Any],
+        inputs: dict[int, Any],
         out: str,
         out_shape: tuple | None,
         out_dtype: Any,
@@ -106,38 +105,23 @@ class Admission:
         self.pool = backend.pinned
         self.direct_bytes = direct_bytes
         self.lay = lay
-        self.args = args
+        self.inputs = inputs
         self.out = out
         self.out_shape = out_shape
         self.out_dtype = out_dtype
-        self._pinned: list[bool] | None = None  # see _pinned_inputs
         self.waiting_for = 0  # ring bytes the next sub-chunk waits for, while refused
         self.ring_full = 0  # admissions refused for want of room
 
     def sub_chunk(self, i: int) -> SubChunk:
         """Sub-chunk ``i``: its inputs, and which of them go through the ring."""
-        inputs = self.lay.inputs(self.args, i)
-        is_device = self.backend.is_device
-        on_device = []
-        h2d = 0  # bytes copied in: what is not on the device already
-        for x in inputs:
-            dev = is_device(x)
-            on_device.append(dev)
-            if not dev:
-                h2d += x.nbytes
+        inputs = self.lay.inputs(self.inputs, i)
+        h2d = sum(x.nbytes for x in inputs if not x.on_device)  # bytes copied in
         if self._direct(i, h2d):
             sub = SubChunk(inputs, [False] * len(inputs), h2d)
             sub.need, sub.direct = 0, True
             return sub
-        to_stage = [
-            # Pinned and contiguous input is copied from directly (pinned blocks of a
-            # batch block by block).
-            not dev
-            and x.nbytes > 0
-            and not (pinned and (type(x) is PinnedBlocks or x.flags.c_contiguous))
-            for x, dev, pinned in zip(inputs, on_device, self._pinned_inputs(), strict=True)
-        ]
-        return SubChunk(inputs, to_stage, h2d)
+        # (Whether an input is pinned is asked only here: a driver call on CUDA.)
+        return SubChunk(inputs, [x.needs_staging for x in inputs], h2d)
 
     def _direct(self, i: int, h2d: int) -> bool:
         """Whether sub-chunk ``i``, with ``h2d`` bytes in, is small enough to skip the ring
@@ -151,18 +135,6 @@ class Admission:
             return True  # nothing comes back
         out = self.lay.expected_out_bytes(i, self.out_shape, self.out_dtype)
         return out is not None and h2d + out <= self.direct_bytes
-
-    def _pinned_inputs(self) -> list[bool]:
-        """Per array argument, whether it is pinned host memory (slices of it are too, so
-        the question, a driver call on CUDA, is asked once per argument, and only when a
-        sub-chunk goes through the ring)."""
-        if self._pinned is None:
-            is_device, is_pinned = self.backend.is_device, self.backend.is_pinned
-            self._pinned = [
-                type(a) is PinnedBlocks or (not is_device(a) and a.nbytes > 0 and is_pinned(a))
-                for a in (self.args[p] for p in self.lay.axes)
-            ]
-        return self._pinned
 
     def _need(self, i: int, sub: SubChunk) -> int:
         """Ring bytes sub-chunk ``i`` reserves: its staged inputs and its copied-out result

@@ -31,11 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .engine import Stage
+from .inputs import as_input
 from .layout import Layout
 from .meter import TaskMeter
 from .nvtx import nvtx_range
 from .output import PartitionOutput
-from .pieces import PinnedBlocks
 from .results import check_split_extent, not_an_array, partition_name
 from .runtime import Runtime
 from .subchunks import Admission, SubChunk
@@ -84,8 +84,9 @@ class PartitionWork:
         self.kwargs = kwargs
         self.spec = spec
         self.lay = lay
+        inputs = {p: as_input(backend, args[p]) for p in lay.axes}
         self.admission = admission = Admission(
-            backend, rt.direct_bytes, lay, args, spec.out, spec.out_shape, spec.out_dtype
+            backend, rt.direct_bytes, lay, inputs, spec.out, spec.out_shape, spec.out_dtype
         )
         self.subs = list(map(admission.sub_chunk, range(len(lay.plan.sub_chunks))))
         self.output = PartitionOutput(backend, lay, spec)
@@ -122,9 +123,8 @@ class PartitionWork:
             if block is None:
                 sub.fallbacks += 1  # no room: copied straight from pageable memory
                 continue
-            dst = block.view(x.dtype).reshape(x.shape)
-            sub.inputs[j] = dst  # read by the H2D, issued only once this stage is done
-            copies.append((x, dst))
+            sub.inputs[j] = staged = x.staged(block)  # what the H2D, issued next, reads
+            copies.append((x.array, staged.array))
         self.tally["bytes_staged"] += sum(src.nbytes for src, _ in copies)
         return copies
 
@@ -155,12 +155,7 @@ class PartitionWork:
             with nvtx_range(backend.name, self.spec.key, i, "device"), scratch:
                 marks = [mark(stream)]
                 sub.stage_now = Stage.H2D
-                dev = [
-                    backend.copy_in_blocks(stream, x)
-                    if type(x) is PinnedBlocks  # a batch's pinned blocks (pieces.py)
-                    else backend.copy_in(stream, x)
-                    for x in sub.inputs
-                ]
+                dev = [x.to_device(backend, stream) for x in sub.inputs]
                 marks.append(mark(stream))
                 sub.stage_now = Stage.COMPUTE
                 args = list(self.args)
@@ -264,7 +259,8 @@ class PartitionWork:
         that still refers to it (a traceback's frames, the closures they ran) keeps them."""
         for i in range(len(self.subs)):
             self.drop(i)
-        self.args = self.admission.args = []
+        self.args = []
+        self.admission.inputs = {}
         self.output.array = None
 
     def settle(self, failed: bool, max_window: int, amounts: dict[str, float]) -> None:
