@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import config as _config  # registers the overlap.* defaults with dask.config
 from .config import Options, TimedModel
+from .graph.fusion import explain
 from .graph.map_blocks import map_blocks
 from .pipeline.current import get_runtime, runtime_stats
 from .pipeline.runtime import Runtime, close_runtimes
@@ -28,6 +29,7 @@ __all__ = [
     "Runtime",
     "TimedModel",
     "close_runtimes",
+    "explain",
     "get_runtime",
     "map_blocks",
     "register",

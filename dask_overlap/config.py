@@ -155,6 +155,7 @@ class Options:
     cpu_affinity: bool  # GPU workers keep to their GPU's cores: see cluster.affinity
     pinned_serialize: bool  # CuPy over TCP through the pinned pool: see cluster.serialize
     stall_timeout: float  # seconds without a completion before a partition fails
+    fuse: bool  # neighbouring steps run in the partition: see graph.fusion
     timed: TimedModel
 
     @classmethod
@@ -201,5 +202,6 @@ class Options:
             cpu_affinity=_check_bool("cpu_affinity", get("cpu_affinity")),
             pinned_serialize=_check_bool("pinned_serialize", get("pinned_serialize")),
             stall_timeout=_check_seconds("stall_timeout", get("stall_timeout")),
+            fuse=_check_bool("fuse", get("fuse")),
             timed=timed,
         )

@@ -308,15 +308,20 @@ def test_joined_and_cut_back_across_worker_processes(batch_bytes):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("ours", [True, False], ids=["stages-fused", "stages-apart"])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_a_second_stage_takes_the_first_ones_partitions_across_worker_processes(fuse, batch_bytes):
+def test_a_second_stage_takes_the_first_ones_partitions_across_worker_processes(
+    fuse, ours, batch_bytes
+):
     """The chain as a cluster runs it, with Dask's low-level fusion on and off (off, the
-    graph reaches distributed as layers, the cut one among them)."""
+    graph reaches distributed as layers, the cut one among them), and with dask_overlap's
+    own fusion of the two stages on (one partition a batch) and off (two)."""
     batch_bytes(4 * 640)
     a = grid(200, 8)
     first = dask_overlap.map_blocks(np.negative, da.from_array(a, chunks=(10, 8)), split_axis=0)
     second = dask_overlap.map_blocks(lambda b: b * 2, first, split_axis=0, dtype=a.dtype)
-    with dask.config.set({"optimization.fuse.active": fuse}):
+    with dask.config.set({"optimization.fuse.active": fuse, "overlap.fuse": ours}):
         got, per_worker = compute_on_two_worker_processes(second)
     np.testing.assert_array_equal(got, -a * 2)
-    assert sum(s["partitions"] for s in per_worker.values()) == 10  # 5 batches, 2 stages
+    stages = 1 if ours else 2
+    assert sum(s["partitions"] for s in per_worker.values()) == 5 * stages  # 5 batches

@@ -269,14 +269,17 @@ def test_runtime_closed_under_a_running_partition(drain):
 
 # -- 4. pinned pool smaller than one partition's output and than one sub-chunk -----------
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("fuse", [False, True], ids=["stages", "fused"])
 @pytest.mark.parametrize(
     "pool", [0, 200, 5000], ids=["no-pool", "below-a-sub-chunk", "below-a-partition"]
 )
-def test_small_pinned_pool_chained_on_many_threads(pool):
-    """Outputs fed straight into a second map_blocks, 4 threads, pool short everywhere."""
+def test_small_pinned_pool_chained_on_many_threads(pool, fuse):
+    """Outputs fed straight into a second map_blocks, 4 threads, pool short everywhere
+    (the stages as they were built, or fused into one partition a block)."""
     data = np.random.default_rng(1).standard_normal((480, 32))  # 256 B rows, 32 kB chunks
     x = da.from_array(data, chunks=(128, 32))
-    with dask.config.set({"overlap.pinned-pool-size": pool, "num_workers": 4}):
+    config = {"overlap.pinned-pool-size": pool, "num_workers": 4, "overlap.fuse": fuse}
+    with dask.config.set(config):
         dask_overlap.close_runtimes()  # a runtime built from this config
         y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=1024)
         z = dask_overlap.map_blocks(np.sqrt, np.abs(y), split_axis=0, sub_chunk_bytes=4096)
@@ -284,7 +287,12 @@ def test_small_pinned_pool_chained_on_many_threads(pool):
     stats = wait_until_idle()
     assert stats["pinned_pool_size"] == pool
     assert stats["pinned_bytes_peak"] <= pool
-    assert stats["pinned_fallbacks"] >= 2 * x.npartitions  # every output fell back
+    if not fuse:
+        assert stats["pinned_fallbacks"] >= 2 * x.npartitions  # every output fell back
+    elif pool < 2 * 1024:  # no room for a sub-chunk's way in and out
+        assert stats["pinned_fallbacks"] >= x.npartitions
+    else:  # fused, one copy in and one out a sub-chunk: the ring holds them
+        assert stats["pinned_fallbacks"] == 0
     assert stats["in_flight"] == 0
     assert pinned_in_use_once_collected() == 0
     if pool < 1024:  # not one staging buffer fits
@@ -745,10 +753,11 @@ def test_stress_a_thousand_partitions(client: Client, backend: str) -> None:
     got = client.compute(stress_graph(x, sub1, sub2), sync=True)
     same_bits(got, ((data * 3 + 1) ^ 0x5A5A) - 7)
     stats = idle_and_empty(client, backend)
-    assert total(stats, "partitions") == 2000
+    # The two stages are fused: one partition a block, one copy out.
+    assert total(stats, "partitions") == 1000
     assert total(stats, "partitions_failed") == 0
-    assert total(stats, "sub_chunks") > 2000
-    assert total(stats, "bytes_d2h") == 2 * data.nbytes
+    assert total(stats, "sub_chunks") > 1000
+    assert total(stats, "bytes_d2h") == data.nbytes
     assert all(s["partitions"] > 0 for s in stats.values()), "both workers took part"
 
 
@@ -1114,6 +1123,6 @@ def test_stress_a_thousand_partitions_threaded(cupy: Any) -> None:
     with dask.config.set(num_workers=6):
         same_bits(stress_graph(x, sub1, sub2).compute(), ((data * 3 + 1) ^ 0x5A5A) - 7)
     stats = settled("cuda", device_before, timeout=60)
-    assert stats["partitions"] == 2000 + 4  # and the warm-up's
+    assert stats["partitions"] == 1000 + 4  # the two stages fused, and the warm-up's
     assert stats["partitions_failed"] == 0
     assert stats["pinned_bytes_peak"] <= PLUGIN_OPTIONS["cuda"]["pinned_pool_size"]

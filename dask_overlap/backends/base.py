@@ -115,6 +115,10 @@ class Transfers(Protocol):
     def place(self, stream: Stream, device: Any, out: Any) -> None:
         """Copy device array ``device`` into device array ``out``, in ``stream``'s order."""
 
+    def fetch(self, stream: Stream, device: Any) -> np.ndarray:
+        """A small device array as a new host array, once ``stream``'s work before it has
+        completed (a reduction's partial; called in ``stream``'s order, and waits)."""
+
 
 class Memory(Protocol):
     """Where data lives, and the pools it is borrowed from."""

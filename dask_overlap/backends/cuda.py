@@ -304,6 +304,11 @@ class CudaBackend:
     def wait(self, stream: CudaStream, mark: Any) -> None:
         stream.cupy.wait_event(mark)
 
+    def fetch(self, stream: CudaStream, device: Any) -> np.ndarray:
+        # Called in the stream's order (current): get() waits for the stream's work
+        # before it, the reduction that made ``device`` included.
+        return device.get(stream=stream.cupy)
+
     def place(self, stream: CudaStream, device: Any, out: cupy.ndarray) -> None:
         if out.size:
             out[...] = device  # a device-to-device copy kernel on ``stream`` (current)

@@ -156,6 +156,9 @@ class HostBackend:
     def place(self, stream: Any, device: np.ndarray, out: np.ndarray) -> None:
         np.copyto(out, device)
 
+    def fetch(self, stream: Any, device: Any) -> np.ndarray:
+        return np.asarray(device)
+
     def as_result(self, x: Any) -> np.ndarray | None:
         if isinstance(x, np.ndarray):
             return x

@@ -35,6 +35,7 @@ from .checks import (
     check_out_mode,
     check_split_axis,
 )
+from .fusion import install as install_fusion
 from .infer import infer_dtype
 from .rewrite import partition_layer
 
@@ -301,6 +302,7 @@ def map_blocks(
         **kwargs,
     )
     result = partition_layer(result, task)
+    install_fusion()  # (Dask's array optimization then fuses what it can: see fusion.py)
     if split_back is not None:
         result = unbatched(result, out_split_axis, split_back, batch, name)
     return result

@@ -51,7 +51,15 @@ try:  # Dask's task objects (2024.12 onwards): private, see the module docstring
 except ImportError:  # pragma: no cover - an older Dask: aliases stay tasks, tasks fusable
     Alias = GraphNode = _DaskTask = None
 
-__all__ = ["PARTITION_ANNOTATION", "alias_targets", "layer_of", "partition_layer", "skip_aliases"]
+__all__ = [
+    "PARTITION_ANNOTATION",
+    "alias_targets",
+    "is_task_node",
+    "layer_of",
+    "partition_layer",
+    "skip_aliases",
+    "unfused_task",
+]
 
 
 def layer_of(key: Any) -> str | None:
@@ -205,12 +213,22 @@ def _unfused(layer: Blockwise, name: str) -> tuple[Any, dict]:
       against 440-530. Where it reaches the scheduler (with Dask's low-level fusion
       off), distributed keeps it and acts on nothing. A user's annotations stay.
     """
-    t = layer.task
     annotations = {**(layer.annotations or {}), PARTITION_ANNOTATION: name}
-    if _DaskTask is None or type(t) is not _DaskTask:  # pragma: no cover - another Dask
-        return t, annotations
-    task = _UnfusedTask(t.key, t.func, *t.args, _data_producer=t.data_producer, **t.kwargs)
-    return task, annotations
+    return unfused_task(layer.task, name), annotations
+
+
+def unfused_task(template: Any, key: str) -> Any:
+    """``template`` (a partition layer's task) as an :class:`_UnfusedTask` for ``key``."""
+    t = template
+    if _DaskTask is None or not isinstance(t, _DaskTask):  # pragma: no cover - another Dask
+        return t
+    return _UnfusedTask(key, t.func, *t.args, _data_producer=t.data_producer, **t.kwargs)
+
+
+def is_task_node(value: Any) -> bool:
+    """Whether ``value`` is one of Dask's task objects (a reference to another key, a
+    task), rather than a plain value."""
+    return GraphNode is not None and isinstance(value, GraphNode)
 
 
 def partition_layer(result: da.Array, task: Any) -> da.Array:
@@ -227,6 +245,7 @@ def partition_layer(result: da.Array, task: Any) -> da.Array:
         )
     declared = task.declared(name, result.chunks, result.dtype)
     new = copy.copy(layer)  # Blockwise keeps its state in plain attributes
+    new.__dict__.pop("_cached_dict", None)  # tasks made for the old partition task
     new.indices = tuple((declared if v is task else v, i) for v, i in layer.indices)
     new.task, new.annotations = _unfused(layer, name)
     layers = {**graph.layers, name: new}

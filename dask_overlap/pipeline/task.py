@@ -22,6 +22,7 @@ from dask.utils import funcname
 
 from .current import get_runtime
 from .partition import PartitionSpec, run_partition
+from .program import Program
 
 __all__ = ["PartitionTask", "PartitionTaskWithInfo", "axis_extents", "block_shape"]
 
@@ -104,6 +105,30 @@ class PartitionTask:
         task.key_name = name
         task.out_chunks = tuple(axis_extents(c) for c in chunks)
         task.out_dtype = np.dtype(dtype) if dtype is not None else None
+        return task
+
+    def absorbed(
+        self, step: Any, then: PartitionTask | None, whole: bool, reduces: bool = False
+    ) -> PartitionTask:
+        """A copy of this task whose ``func`` goes on with ``step`` (see
+        :mod:`.program`): the partition of another stage (``then``: its name, output and
+        options are the copy's), or a Dask step (``reduces``: the first step of a
+        reduction, whose output this task cannot check). ``whole``: the copy runs whole
+        partitions (its steps cannot be cut into sub-chunks)."""
+        task = copy.copy(self)
+        program = self.func if isinstance(self.func, Program) else Program(self.func)
+        task.func = Program(program.first, program.before, (*program.then, step))
+        task.key_name = step.name
+        if then is not None:
+            task.out_mode = then.out_mode
+            task.out_chunks, task.out_dtype = then.out_chunks, then.out_dtype
+            task.out_split_axis = then.out_split_axis
+        else:  # a Dask step: its dtype, and a reduction's shapes, are Dask's to say
+            task.out_dtype = None
+            if reduces:
+                task.out_chunks = None
+        if whole:
+            task.split_axis = task.out_split_axis = None
         return task
 
     def __reduce_ex__(self, protocol: Any) -> Any:

@@ -174,6 +174,9 @@ class PartitionWork:
 
     def _copy_out(self, i: int, sub: SubChunk, raw: Any, stream: Any) -> None:
         """Validate ``func``'s result and enqueue its copy out (in ``stream``'s order)."""
+        if isinstance(raw, dict) and not self.lay.cut:
+            self._partial_out(sub, raw, stream)
+            return
         result = self.backend.as_result(raw)
         if result is None:
             raise not_an_array(self.spec.func_name, raw, self.where)
@@ -205,6 +208,20 @@ class PartitionWork:
             sub.res.close()  # room reserved but not needed (e.g. a pinned result)
         self.backend.copy_out(stream, result, target)
         sub.d2h_bytes = result.nbytes
+
+    def _partial_out(self, sub: SubChunk, partial: dict, stream: Any) -> None:
+        """A reduction's partial of the whole partition, a dict of small arrays (a fused
+        ``mean``'s or ``var``'s first step): it is the output, its arrays copied back one
+        by one (on the device with ``out="device"``)."""
+        backend = self.backend
+        keep = self.spec.out == "device"
+        out = {
+            k: v if keep or not backend.is_device(v) else backend.fetch(stream, v)
+            for k, v in partial.items()
+        }
+        sub.device = (sub.device[0], partial)
+        sub.d2h_bytes = 0 if keep else sum(getattr(v, "nbytes", 0) for v in out.values())
+        self.output.array = out
 
     def device_done(self, i: int, start: float) -> None:
         """Sub-chunk ``i``'s D2H has completed (its device work began at ``start``): its

@@ -1,0 +1,258 @@
+"""Fusion: a pipeline's steps around a partition run in the partition, on the device.
+
+Where a ``dask_overlap.map_blocks`` stage reads the blocks of another, or an elementwise
+Dask step (``y * 2 + 1``, ``da.sqrt(y)``, ``y.astype(...)``), or the first step of a
+reduction (``y.sum(axis=0)``, ``y.mean()``), sits next to a partition layer, the two
+become one partition layer whose ``func`` is a :class:`~dask_overlap.pipeline.program.
+Program`: each sub-chunk goes through every step on the device, with one copy in and one
+copy out, and the intermediate exists neither on the host nor as a Dask key.
+
+This runs when Dask optimizes an array graph (``dask.config``'s ``array_optimize``, the
+extension point Dask offers: see :func:`install`), so it sees the whole graph and the
+keys asked for, as Dask's own blockwise fusion does: a layer that something else also
+reads, or whose keys are asked for, is left as it is. So are layers that cannot be run
+on device arrays as they are (a function that is neither a NumPy ufunc nor an operator,
+NumPy function or Dask chunk function), layers whose annotations differ from the
+partition's (a user's ``dask.annotate``), and everything when ``overlap.fuse`` is false.
+A step is taken only where its blocks are the partition's blocks, one to one.
+
+A reduction's step ends the partition's program and makes it one whole sub-chunk (its
+partial of a sub-chunk would not be the partial of the partition); a partition stage
+whose ``split_axis`` differs from the one before runs whole partitions too.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import dask
+import numpy as np
+from dask.blockwise import Blockwise
+from dask.core import flatten
+from dask.highlevelgraph import HighLevelGraph
+from dask.utils import funcname
+
+from ..config import Options
+from ..pipeline.program import PREVIOUS, Call, Program, Template
+from ..pipeline.task import PartitionTask
+from .rewrite import PARTITION_ANNOTATION, is_task_node, layer_of, unfused_task
+
+__all__ = ["explain", "fuse", "install", "optimize"]
+
+#: Modules whose functions run on CuPy arrays as they are: Dask's own chunk functions
+#: (written for NumPy and CuPy alike) and NumPy's (which hand CuPy arrays to CuPy).
+_DEVICE_MODULES = ("_operator", "operator", "dask.array.chunk", "dask.array.reductions")
+
+
+def _device_safe(fn: Any) -> bool:
+    """Whether ``fn`` (a Dask layer's function) runs on device arrays as it does on NumPy's."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if isinstance(fn, np.ufunc):
+        return True
+    module = getattr(fn, "__module__", None) or ""
+    return module in _DEVICE_MODULES or module == "numpy" or module.startswith("numpy.")
+
+
+def partition_task(layer: Any) -> PartitionTask | None:
+    """The partition task of ``layer`` if it is a partition layer (made by ``map_blocks``
+    and rewritten by :func:`.rewrite.partition_layer`), else ``None``."""
+    if not isinstance(layer, Blockwise) or PARTITION_ANNOTATION not in (layer.annotations or {}):
+        return None
+    for value, index in layer.indices:
+        if index is None and isinstance(value, PartitionTask):
+            return value
+    return None
+
+
+def _own_annotations(layer: Any) -> dict:
+    return {k: v for k, v in (layer.annotations or {}).items() if k != PARTITION_ANNOTATION}
+
+
+def _reads_blockwise(layer: Blockwise, name: str, producer: Blockwise) -> bool:
+    """Whether ``layer`` reads ``name`` (made by ``producer``) once, block for block (the
+    same index, the same grid), and no other array."""
+    arrays = [(v, i) for v, i in layer.indices if i is not None and v not in layer.io_deps]
+    grid = tuple(producer.dims[i] for i in producer.output_indices)
+    return (
+        len(arrays) == 1
+        and arrays[0] == (name, layer.output_indices)
+        and tuple(layer.numblocks.get(name, ())) == grid
+        and not layer.concatenate
+        and not layer.new_axes
+    )
+
+
+def _stage_of_partition(layer: Blockwise, name: str, task: PartitionTask) -> Call | None:
+    """``layer`` (a partition layer reading ``name``) as a step of a program: its
+    ``func`` called with the value where it read ``name``; ``None`` where it cannot be."""
+    if task.func_block_id or task.func_block_info:
+        return None
+    kwargs = layer.task.kwargs
+    if any(is_task_node(v) for v in kwargs.values()):
+        return None  # a keyword Dask computes (a delayed object): left as it is
+    args = []
+    for value, index in layer.indices:
+        if value is task or (index is None and isinstance(value, tuple)):
+            continue  # the task itself, and the names of the keywords Dask passes it
+        if index is not None and value in layer.io_deps:
+            continue  # block_id's values
+        if index is None and is_task_node(value):
+            return None
+        args.append(PREVIOUS if value == name else value)
+    return Call(task.key_name, task.func, tuple(args), kwargs)
+
+
+def _stage_of_template(layer: Blockwise, name: str) -> Template | None:
+    """``layer`` (a Dask elementwise or reduction step reading ``name``) as a step: its
+    task template, evaluated with the value for ``name``'s block."""
+    task = layer.task
+    if not _device_safe(task.func):
+        return None
+    token, constants = None, {}
+    for i, (value, index) in enumerate(layer.indices):
+        key = f"__dask_blockwise__{i}"
+        if index is None:
+            constants[key] = value
+        else:
+            token = key
+    if token is None or task.dependencies - {token, *constants}:
+        return None
+    return Template(layer.output, task, token, constants)
+
+
+def _absorb(
+    consumer: Any, name: str, layer: Blockwise, task: PartitionTask
+) -> tuple[PartitionTask, dict] | None:
+    """The partition task of ``layer`` with ``consumer``'s step added to its program, and
+    the partition layer's new annotations; ``None`` where ``consumer`` is not such a
+    step (see the module docstring)."""
+    if not isinstance(consumer, Blockwise) or _own_annotations(consumer) != _own_annotations(layer):
+        return None
+    if not _reads_blockwise(consumer, name, layer):
+        return None
+    next_task = partition_task(consumer)
+    if next_task is not None:
+        step = _stage_of_partition(consumer, name, next_task)
+        if step is None or next_task.backend != task.backend:
+            return None
+        fused = task.absorbed(step, next_task, whole=next_task.split_axis != task.split_axis)
+        return fused, consumer.annotations
+    if consumer.io_deps:
+        return None
+    step = _stage_of_template(consumer, name)
+    if step is None:
+        return None
+    reduces = "axis" in consumer.task.kwargs
+    fused = task.absorbed(step, None, whole=reduces, reduces=reduces)
+    return fused, {**(consumer.annotations or {}), PARTITION_ANNOTATION: consumer.output}
+
+
+def _fused_layer(
+    layer: Blockwise, task: PartitionTask, fused: PartitionTask, name: str, annotations: dict
+) -> Blockwise:
+    """``layer`` as the partition layer ``name`` of the ``fused`` task."""
+    new = copy.copy(layer)
+    new.__dict__.pop("_cached_dict", None)  # tasks made for the old name
+    new.output = name
+    new.indices = tuple((fused if v is task else v, i) for v, i in layer.indices)
+    new.task = unfused_task(layer.task, name)
+    new.annotations = {**(annotations or {}), PARTITION_ANNOTATION: name}
+    return new
+
+
+def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
+    """``graph`` with every partition layer given the steps it can take from its one
+    reader (repeatedly, so a chain becomes one partition layer); ``graph`` itself when
+    there is none (or ``overlap.fuse`` is false)."""
+    if not Options.from_config().fuse:
+        return graph
+    layers = dict(graph.layers)
+    if not any(partition_task(layer) is not None for layer in layers.values()):
+        return graph
+    deps = {k: set(v) for k, v in graph.dependencies.items()}
+    wanted = {layer_of(k) for k in flatten(keys)}
+    changed = True
+    while changed:
+        changed = False
+        readers: dict[str, set[str]] = {}
+        for name, needs in deps.items():
+            for dep in needs:
+                readers.setdefault(dep, set()).add(name)
+        for name, layer in list(layers.items()):
+            task = partition_task(layer)
+            if task is None or name in wanted or len(readers.get(name, ())) != 1:
+                continue
+            (reader,) = readers[name]
+            got = _absorb(layers[reader], name, layer, task)
+            if got is None:
+                continue
+            fused, annotations = got
+            layers[reader] = _fused_layer(layer, task, fused, reader, annotations)
+            deps[reader] = deps.pop(name)
+            del layers[name]
+            changed = True
+            break  # the readers changed: look again
+    return HighLevelGraph(layers, deps)
+
+
+def optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """Dask's array optimization (or the one set before :func:`install`), after
+    :func:`fuse`: what :func:`install` sets as ``array_optimize``."""
+    if isinstance(dsk, HighLevelGraph):
+        dsk = fuse(dsk, keys)
+    return (_previous or _dask_optimize)(dsk, keys, **kwargs)
+
+
+def _dask_optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    from dask.array.optimization import optimize as dask_optimize
+
+    return dask_optimize(dsk, keys, **kwargs)
+
+
+_previous: Any = None  # the array_optimize before ours, if one was set
+
+
+def install() -> None:
+    """Make :func:`optimize` Dask's array optimization (``array_optimize``), keeping one set
+    before as what it then calls. Called by ``dask_overlap.map_blocks`` (importing the
+    package changes nothing); idempotent; left alone where a user turned Dask's
+    optimization off (``array_optimize: False``)."""
+    global _previous
+    current = dask.config.get("array_optimize", None)
+    if current is optimize or current is False:
+        return
+    _previous = current
+    dask.config.set(array_optimize=optimize)
+
+
+def explain(*collections: Any) -> str:
+    """What fusion makes of ``collections``' graph: one line per partition layer, with the
+    steps it runs (a fused one, several).
+
+    Examples
+    --------
+    >>> import dask.array as da, dask_overlap
+    >>> def twice(b):
+    ...     return b * 2
+    >>> y = dask_overlap.map_blocks(twice, da.ones(8, chunks=4), split_axis=0)
+    >>> print(dask_overlap.explain(y + 1))  # doctest: +ELLIPSIS
+    add-...: 2 partitions of twice -> add (fused: 2 steps, one copy in and one out)
+    """
+    graph = HighLevelGraph.merge(*(c.__dask_graph__() for c in collections))
+    keys = [c.__dask_keys__() for c in collections]
+    lines = []
+    for name, layer in fuse(graph, keys).layers.items():
+        task = partition_task(layer)
+        if task is None:
+            continue
+        steps = task.func.names if isinstance(task.func, Program) else [funcname(task.func)]
+        n = int(np.prod([layer.dims[i] for i in layer.output_indices]))
+        what = " -> ".join(steps)
+        how = f" (fused: {len(steps)} steps, one copy in and one out)" if len(steps) > 1 else ""
+        whole = "" if task.split_axis is not None else ", whole partitions"
+        lines.append(f"{name}: {n} partitions of {what}{how}{whole if how else ''}")
+    return "\n".join(lines)

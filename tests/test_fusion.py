@@ -1,0 +1,231 @@
+"""Fusion: a stage, Dask's elementwise steps and a reduction's first step, taken into the
+partition before them (graph/fusion.py), on the host backend."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Client
+from support import wait_until_idle
+
+import dask_overlap
+from dask_overlap import LocalGPUCluster
+
+
+def data() -> tuple[np.ndarray, da.Array]:
+    a = np.random.default_rng(0).standard_normal((256, 24))
+    return a, da.from_array(a, chunks=(64, 24))
+
+
+def stage(fn: Any, x: da.Array, **kw: Any) -> da.Array:
+    return dask_overlap.map_blocks(fn, x, split_axis=0, batch=1, **kw)
+
+
+def steps(collection: Any) -> list[list[str]]:
+    """Each partition layer's steps, as :func:`dask_overlap.explain` says them."""
+    out = []
+    for line in dask_overlap.explain(collection).splitlines():
+        found = re.search(r"partitions of (.*?)( \(fused|$)", line)
+        out.append(found.group(1).split(" -> "))
+    return out
+
+
+def double(b: Any) -> Any:
+    return b * 2
+
+
+def test_two_stages_run_as_one_partition_a_block():
+    a, x = data()
+    z = stage(np.abs, stage(double, x))
+    assert steps(z) == [["double", "absolute"]]
+    np.testing.assert_array_equal(z.compute(), np.abs(a * 2))
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions  # not two a block
+    assert stats["bytes_h2d"] == a.nbytes  # handed to the partition once
+
+
+def test_the_intermediate_is_no_key_of_the_graph_that_runs():
+    _, x = data()
+    y = stage(double, x)
+    z = stage(np.abs, y)
+    (opt,) = dask.optimize(z)
+    names = {k[0] for k in dict(opt.__dask_graph__()) if isinstance(k, tuple)}
+    assert y.name not in names and z.name in names
+
+
+@pytest.mark.parametrize(
+    "build, expected",
+    [
+        (lambda y: y * 2 + 1, ["double", "mul", "add"]),
+        (lambda y: da.sqrt(abs(y)), ["double", "abs", "sqrt"]),
+        (lambda y: y.astype("f4"), ["double", "astype"]),
+        (lambda y: -y, ["double", "neg"]),
+        (lambda y: y.clip(-1, 1), ["double", "clip"]),
+        (lambda y: (y > 0) & (y < 1), None),  # reads two arrays in the last step
+    ],
+    ids=["mul-add", "sqrt-abs", "astype", "neg", "clip", "two-inputs"],
+)
+def test_elementwise_steps_after_a_stage(build, expected):
+    a, x = data()
+    z = build(stage(double, x))
+    if expected is not None:
+        assert steps(z)[-1] == expected
+    plain = build(x.map_blocks(double))
+    got = z.compute()
+    np.testing.assert_allclose(got, plain.compute())
+    assert got.dtype == plain.dtype
+
+
+REDUCTIONS = ["sum", "prod", "min", "max", "mean", "var", "std", "nansum", "nanmean", "nanmax"]
+
+
+@pytest.mark.parametrize("how", REDUCTIONS)
+@pytest.mark.parametrize("axis", [None, 0, 1, (0, 1)], ids=["all", "0", "1", "both"])
+@pytest.mark.parametrize("keepdims", [False, True], ids=["", "keepdims"])
+def test_reductions_take_their_first_step_in_the_partition(how, axis, keepdims):
+    a, x = data()
+    small = stage(lambda b: b * 0.5, x)  # values where prod stays finite
+    z = getattr(da, how)(small, axis=axis, keepdims=keepdims)
+    chain = steps(z)
+    assert len(chain) == 1 and len(chain[0]) == 2, dask_overlap.explain(z)
+    expected = getattr(np, how)(a * 0.5, axis=axis, keepdims=keepdims)
+    np.testing.assert_allclose(z.compute(), expected, rtol=1e-10)
+
+
+@pytest.mark.parametrize("how", ["any", "all"])
+def test_boolean_reductions_after_a_comparison(how):
+    a, x = data()
+    z = getattr(stage(double, x) > 0, how)(axis=0)
+    assert steps(z) == [["double", "gt", how]]
+    np.testing.assert_array_equal(z.compute(), getattr(a * 2 > 0, how)(axis=0))
+
+
+def test_a_reduction_with_a_dtype():
+    a, x = data()
+    z = stage(double, x).astype("f4").sum(axis=1, dtype="f8")
+    np.testing.assert_allclose(z.compute(), (a * 2).astype("f4").sum(axis=1, dtype="f8"))
+    assert z.dtype == np.float64
+
+
+def test_a_reduction_makes_the_partition_whole():
+    _, x = data()
+    assert "whole partitions" in dask_overlap.explain(stage(double, x, sub_chunk_bytes=1024).sum())
+
+
+def test_stages_of_other_split_axes_run_whole_partitions():
+    a, x = data()
+    y = dask_overlap.map_blocks(double, x, split_axis=0, batch=1, sub_chunk_bytes=1024)
+    z = dask_overlap.map_blocks(np.abs, y, split_axis=1, batch=1)
+    assert "whole partitions" in dask_overlap.explain(z)
+    np.testing.assert_array_equal(z.compute(), np.abs(a * 2))
+
+
+def test_stages_that_share_the_split_axis_stay_pipelined():
+    a, x = data()
+    z = stage(np.abs, stage(double, x, sub_chunk_bytes=2048))
+    assert "whole" not in dask_overlap.explain(z)
+    np.testing.assert_array_equal(z.compute(), np.abs(a * 2))
+    assert wait_until_idle()["sub_chunks"] > x.npartitions
+
+
+# -- what is left as it is -------------------------------------------------------------
+def test_an_intermediate_asked_for_is_computed_and_not_fused_away():
+    a, x = data()
+    y = stage(double, x)
+    z = stage(np.abs, y)
+    got_y, got_z = dask.compute(y, z)
+    np.testing.assert_array_equal(got_y, a * 2)
+    np.testing.assert_array_equal(got_z, np.abs(a * 2))
+
+
+def test_an_intermediate_read_twice_is_left_as_it_is():
+    a, x = data()
+    y = stage(double, x)
+    z = da.where(y > 1, y, 0)  # y read by gt and by where
+    assert [len(s) for s in steps(z)] == [1]
+    np.testing.assert_array_equal(z.compute(), np.where(a * 2 > 1, a * 2, 0))
+
+
+def test_a_function_of_dask_map_blocks_after_a_stage_is_left_as_it_is():
+    a, x = data()
+    z = stage(double, x).map_blocks(lambda b: b + 1)  # any function: not known to run on CuPy
+    assert steps(z) == [["double"]]
+    np.testing.assert_array_equal(z.compute(), a * 2 + 1)
+
+
+def test_a_stage_that_asks_which_block_it_has_is_left_as_it_is():
+    a, x = data()
+
+    def where(b: Any, block_id: Any = None) -> Any:
+        return b + block_id[0]
+
+    z = stage(where, stage(double, x), dtype=x.dtype)
+    assert [len(s) for s in steps(z)] == [1, 1]
+    expected = a * 2 + np.repeat(np.arange(4), 64)[:, None]
+    np.testing.assert_array_equal(z.compute(), expected)
+
+
+def test_a_users_annotations_keep_layers_apart():
+    a, x = data()
+    y = stage(double, x)
+    with dask.annotate(priority=5):
+        z = y + 1
+    assert [len(s) for s in steps(z)] == [1]
+    np.testing.assert_array_equal(z.compute(), a * 2 + 1)
+
+
+def test_fusion_off():
+    a, x = data()
+    with dask.config.set({"overlap.fuse": False}):
+        z = stage(np.abs, stage(double, x)) + 1
+        assert [len(s) for s in steps(z)] == [1, 1]
+        np.testing.assert_array_equal(z.compute(), np.abs(a * 2) + 1)
+    assert wait_until_idle()["partitions"] == 2 * x.npartitions
+
+
+# -- errors ----------------------------------------------------------------------------
+class Bad(ValueError):
+    pass
+
+
+def test_a_fused_step_that_raises_is_named_and_keeps_its_type():
+    _, x = data()
+
+    def breaks(b: Any) -> Any:
+        raise Bad("no good")
+
+    z = stage(breaks, stage(double, x), dtype=x.dtype) + 1
+    with pytest.raises(Bad, match="no good") as info:
+        z.compute(scheduler="sync")
+    notes = "\n".join(info.value.__notes__)
+    assert "fused step 2 of 3: breaks" in notes
+    assert "partition ('add-" in notes
+
+
+# -- batches and clusters ----------------------------------------------------------------
+def test_two_auto_stages_over_small_blocks_fuse_through_their_batches():
+    a = np.random.default_rng(1).standard_normal((4096, 16))
+    x = da.from_array(a, chunks=(64, 16))  # 64 blocks of 8 KiB: joined
+    y = dask_overlap.map_blocks(double, x, split_axis=0)
+    z = dask_overlap.map_blocks(np.abs, y, split_axis=0)
+    assert steps(z) == [["double", "absolute"]]
+    np.testing.assert_array_equal(z.compute(), np.abs(a * 2))
+    assert z.chunks == x.chunks
+
+
+def test_a_fused_pipeline_on_worker_processes():
+    a, x = data()
+    z = (stage(np.abs, stage(double, x)) * 3).sum(axis=0)
+    with (
+        LocalGPUCluster(allow_cpu=True, n_workers=2, threads_per_worker=1) as cluster,
+        Client(cluster) as client,
+    ):
+        got = client.compute(z).result()
+        partitions = sum(s["partitions"] for s in client.run(dask_overlap.runtime_stats).values())
+    np.testing.assert_allclose(got, (np.abs(a * 2) * 3).sum(axis=0))
+    assert partitions == x.npartitions
