@@ -7,7 +7,8 @@
 # a run, copy the current files into benchmarks/results/ and append $OUT/history.jsonl to
 # benchmarks/results/history.jsonl (pytest's log stays out of git).
 #
-#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak]...  (peak: PEAK_ARGS, PEAK_LIMIT)
+#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline]...
+#   (peak: PEAK_ARGS, PEAK_LIMIT; pipeline: PIPELINE_ARGS, PIPELINE_LIMIT)
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -116,6 +117,13 @@ run_peak() {
         ${PEAK_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 8 || status=1
 }
 
+run_pipeline() {
+    # A pipeline, not one call (issue 29): chained stages, elementwise, reduction, store.
+    log "pipeline: bench_pipeline.py ${PIPELINE_ARGS:-}"
+    timeout "${PIPELINE_LIMIT:-300}" python3 benchmarks/bench_pipeline.py --backend cuda \
+        --record "$OUT" ${PIPELINE_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 25 || status=1
+}
+
 run_timeline() {
     log "timeline"
     timeout 60 python3 benchmarks/diagnostics/timeline_cuda.py --json "$OUT/timeline-cuda.json" \
@@ -208,9 +216,10 @@ for step in "${steps[@]}"; do
         dashboard) run_dashboard ;;
         trap) run_trap ;;
         peak) run_peak ;;
+        pipeline) run_pipeline ;;
         small) run_small ;;
         floor) run_floor ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak]..."; exit 2 ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline]..."; exit 2 ;;
     esac
 done
 log "done, status $status"

@@ -229,3 +229,48 @@ def test_a_fused_pipeline_on_worker_processes():
         partitions = sum(s["partitions"] for s in client.run(dask_overlap.runtime_stats).values())
     np.testing.assert_allclose(got, (np.abs(a * 2) * 3).sum(axis=0))
     assert partitions == x.npartitions
+
+
+# -- on the GPU ----------------------------------------------------------------------------
+@pytest.fixture
+def cuda() -> Any:
+    from support import require_gpu
+
+    cp = require_gpu()
+    with dask.config.set({"overlap.backend": "cuda", "overlap.pinned-pool-size": "256MiB"}):
+        yield cp
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out", ["host", "device"])
+def test_a_fused_chain_on_the_gpu(cuda, out):
+    a = np.random.default_rng(3).standard_normal((4096, 256)).astype("f4")
+    x = da.from_array(a, chunks=(512, 256))
+    y = dask_overlap.map_blocks(
+        lambda b: b - b.mean(axis=1, keepdims=True), x, split_axis=0, sub_chunk_bytes="128KiB"
+    )
+    z = dask_overlap.map_blocks(lambda b: abs(cuda.fft.rfft(b, axis=1)) ** 2, y, split_axis=0,
+                                chunks=(x.chunks[0], (129,)), dtype="f4", out=out)  # fmt: skip
+    w = da.log10(z + 1) * 2
+    assert [len(s) for s in steps(w)] == [5], dask_overlap.explain(w)
+    got = w.compute()
+    got = cuda.asnumpy(got) if out == "device" else got
+    d = a - a.mean(axis=1, keepdims=True)
+    np.testing.assert_allclose(got, np.log10(abs(np.fft.rfft(d, axis=1)) ** 2 + 1) * 2, rtol=1e-3)
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions and stats["sub_chunks"] > x.npartitions
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["sum", "mean", "var", "max", "nanmean"])
+@pytest.mark.parametrize("axis", [None, 0, 1])
+def test_a_fused_reduction_on_the_gpu(cuda, how, axis):
+    a = np.random.default_rng(4).standard_normal((2048, 128))
+    x = da.from_array(a, chunks=(256, 128))
+    z = getattr(da, how)(dask_overlap.map_blocks(lambda b: b * b, x, split_axis=0), axis=axis)
+    assert [len(s) for s in steps(z)] == [2]
+    got = z.compute()
+    np.testing.assert_allclose(np.asarray(got), getattr(np, how)(a * a, axis=axis), rtol=1e-9)
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions
+    assert stats["bytes_d2h"] < a.nbytes // 8  # only the partials came back

@@ -124,6 +124,20 @@ def _stage_of_template(layer: Blockwise, name: str) -> Template | None:
     return Template(layer.output, task, token, constants)
 
 
+def _result_dtype(step: Template, task: PartitionTask) -> Any:
+    """The dtype of ``step``'s output on blocks of the partition's (run on one element of
+    NumPy, as Dask infers a meta), or ``None`` where that says nothing (no dtype known
+    before it, a partial that is not an array)."""
+    if task.out_dtype is None or task.out_chunks is None:
+        return None
+    try:
+        with np.errstate(all="ignore"):
+            got = step(np.ones((1,) * len(task.out_chunks), dtype=task.out_dtype))
+    except Exception:
+        return None
+    return getattr(got, "dtype", None)
+
+
 def _absorb(
     consumer: Any, name: str, layer: Blockwise, task: PartitionTask
 ) -> tuple[PartitionTask, dict] | None:
@@ -139,15 +153,17 @@ def _absorb(
         step = _stage_of_partition(consumer, name, next_task)
         if step is None or next_task.backend != task.backend:
             return None
-        fused = task.absorbed(step, next_task, whole=next_task.split_axis != task.split_axis)
+        fused = task.absorbed(step, next_task, next_task.split_axis != task.split_axis)
         return fused, consumer.annotations
     if consumer.io_deps:
         return None
     step = _stage_of_template(consumer, name)
     if step is None:
         return None
-    reduces = "axis" in consumer.task.kwargs
-    fused = task.absorbed(step, None, whole=reduces, reduces=reduces)
+    axis = consumer.task.kwargs.get("axis", ())  # a reduction's first step: its axes
+    reduces = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    dtype = _result_dtype(step, task)
+    fused = task.absorbed(step, None, bool(reduces), dtype, reduces)
     return fused, {**(consumer.annotations or {}), PARTITION_ANNOTATION: consumer.output}
 
 

@@ -100,13 +100,14 @@ class Layout:
     def expected_out_bytes(self, i: int, shape: tuple | None, dtype: Any) -> int | None:
         """Bytes of sub-chunk ``i``'s output, from what the array declares (``None``:
         not known: an extent or the dtype is unknown)."""
-        if shape is None or dtype is None or None in shape:
+        if shape is None or None in shape:
             return None
         if self.out_axis is not None and self.cut:
             dims = list(shape)
             dims[self.out_axis] = self.plan.sub_chunks[i].extent
             shape = dims
-        return math.prod(shape) * np.dtype(dtype).itemsize
+        # (A dtype not known: as many bytes an element as any dtype takes.)
+        return math.prod(shape) * (16 if dtype is None else np.dtype(dtype).itemsize)
 
     def block_info(self, info: dict | None, i: int) -> dict | None:
         """The partition's ``block_info``, narrowed to sub-chunk ``i``."""

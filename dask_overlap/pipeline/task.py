@@ -108,13 +108,19 @@ class PartitionTask:
         return task
 
     def absorbed(
-        self, step: Any, then: PartitionTask | None, whole: bool, reduces: bool = False
+        self,
+        step: Any,
+        then: PartitionTask | None,
+        whole: bool,
+        dtype: Any = None,
+        reduces: tuple[int, ...] = (),
     ) -> PartitionTask:
         """A copy of this task whose ``func`` goes on with ``step`` (see
         :mod:`.program`): the partition of another stage (``then``: its name, output and
-        options are the copy's), or a Dask step (``reduces``: the first step of a
-        reduction, whose output this task cannot check). ``whole``: the copy runs whole
-        partitions (its steps cannot be cut into sub-chunks)."""
+        options are the copy's), or a Dask step, whose output has ``dtype`` (``None``: not
+        known) and, for the first step of a reduction over the axes ``reduces``, one
+        element along each of them. ``whole``: the copy runs whole partitions (its steps
+        cannot be cut into sub-chunks)."""
         task = copy.copy(self)
         program = self.func if isinstance(self.func, Program) else Program(self.func)
         task.func = Program(program.first, program.before, (*program.then, step))
@@ -123,10 +129,13 @@ class PartitionTask:
             task.out_mode = then.out_mode
             task.out_chunks, task.out_dtype = then.out_chunks, then.out_dtype
             task.out_split_axis = then.out_split_axis
-        else:  # a Dask step: its dtype, and a reduction's shapes, are Dask's to say
-            task.out_dtype = None
-            if reduces:
-                task.out_chunks = None
+        else:
+            task.out_dtype = None if dtype is None else np.dtype(dtype)
+            if reduces and task.out_chunks is not None:
+                task.out_chunks = tuple(
+                    _one_each(axis) if i in reduces else axis
+                    for i, axis in enumerate(task.out_chunks)
+                )
         if whole:
             task.split_axis = task.out_split_axis = None
         return task
@@ -183,6 +192,14 @@ class PartitionTask:
 
     def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
         return self._run(args, block_id, None, kwargs)
+
+
+def _one_each(axis: tuple | None) -> tuple | None:
+    """An output axis as :func:`axis_extents` carries it, reduced to one element a block."""
+    if axis is None:
+        return None
+    blocks = axis[3] if axis[0] == "regular" else len(axis[1])
+    return ("regular", 1, 1, blocks)
 
 
 def _loads_task(cls: type[PartitionTask], state: bytes) -> PartitionTask:
