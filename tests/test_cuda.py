@@ -25,8 +25,9 @@ import dask_overlap
 
 cp = require_gpu()
 
-from dask_overlap.backends import cuda  # noqa: E402
-from dask_overlap.backends.cuda import CudaBackend, _rows, guard_kernel_pickling  # noqa: E402
+from dask_overlap.backends import cuda_memory  # noqa: E402
+from dask_overlap.backends.cuda import CudaBackend, _rows  # noqa: E402
+from dask_overlap.backends.kernel_pickling import guard_kernel_pickling  # noqa: E402
 from dask_overlap.pipeline.partition import PartitionSpec, run_partition  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -270,7 +271,7 @@ def test_200_partitions_no_growth() -> None:
 
 def _cached_bytes_seen(rt: Any, out: str) -> list[int]:
     """The scratch cache's bytes in use, as ``func`` sees them, per partition."""
-    cache = cuda._scratch_caches.items[rt.backend.device_id]
+    cache = cuda_memory._scratch_caches.items[rt.backend.device_id]
     seen: list[int] = []
 
     def func(b: Any) -> Any:
@@ -290,7 +291,7 @@ def test_scratch_cache_serves_a_partition_and_empties_when_idle() -> None:
     seen = _cached_bytes_seen(rt, "host")
     # Each partition's device input (1 MiB) came from the cache.
     assert len(seen) == 8 and min(seen) >= 2**20
-    cache = cuda._scratch_caches.items[rt.backend.device_id]
+    cache = cuda_memory._scratch_caches.items[rt.backend.device_id]
     poll(lambda: cache.total_bytes() == 0, 10, "the scratch cache emptied once idle")
 
 
