@@ -8,11 +8,11 @@ next launch fails with CUDA_ERROR_INVALID_HANDLE (``moduleUnload`` errors follow
 In the same process the copy is pointless: pickle the kernel as a reference to the
 original, and give the original back on unpickling.
 
-dask_overlap does so for its own partition tasks only (:func:`dumps`, which the task's
-``__reduce_ex__`` uses where CuPy is imported): how the rest of a client pickles is left
-as it is. :func:`guard_kernel_pickling` offers the same to code that pickles kernels
-itself (plain ``dask.array.map_blocks`` with such a kernel), changing pickling for the
-whole process; nothing here calls it.
+:func:`guard_kernel_pickling` does so for the whole process (a ``copyreg`` entry):
+``dask_overlap.map_blocks`` calls it where CuPy is imported, and so does the cuda backend.
+(A pickler of the partition task's own, scoping this to dask_overlap's tasks, was tried:
+on the H200 the ``__main__`` kernel trap came back, and a shallow copy of a task went
+through pickling; the process-wide entry stays until that is understood.)
 
 Seen on the H200 (CuPy 14.2, Dask 2026.8): ElementwiseKernel fails so; ReductionKernel and
 RawKernel closed over the same way work (RawKernel pickles its source and recompiles), so
@@ -22,16 +22,14 @@ they keep their own pickling, which also lets them travel to other processes.
 from __future__ import annotations
 
 import copyreg
-import io
 import os
 from typing import Any
 
-import cloudpickle
 import cupy
 
 from ..process import Registry
 
-__all__ = ["dumps", "guard_kernel_pickling"]
+__all__ = ["guard_kernel_pickling"]
 
 #: id(kernel) -> the kernel, for the references pickled in this process.
 _kernels: Registry[int, Any] = Registry("cuda kernels pickled by reference")
@@ -57,36 +55,11 @@ def _reduce_kernel(kernel: Any) -> tuple[Any, tuple[int, int]]:
     return _kernel_by_reference, (os.getpid(), id(kernel))
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, with ``cupy.ElementwiseKernel`` objects as in-process references."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, cupy.ElementwiseKernel):
-            return _reduce_kernel(obj)
-        return super().reducer_override(obj)
-
-
-def dumps(obj: Any) -> bytes:
-    """``obj`` pickled (by cloudpickle, so a ``__main__`` function by value), with every
-    ``cupy.ElementwiseKernel`` in it as a reference to the kernel in this process.
-
-    Examples
-    --------
-    >>> import pickle, cupy
-    >>> k = cupy.ElementwiseKernel("T x", "T y", "y = x", "copy_d")
-    >>> pickle.loads(dumps({"k": k}))["k"] is k
-    True
-    """
-    buf = io.BytesIO()
-    _Pickler(buf).dump(obj)
-    return buf.getvalue()
-
-
 def guard_kernel_pickling() -> None:
     """Make ``cupy.ElementwiseKernel`` objects pickle as in-process references (idempotent).
 
-    For code that pickles such kernels itself; it changes pickling for the whole process.
-    dask_overlap's own tasks need none of it (see :func:`dumps`).
+    Called by :func:`dask_overlap.map_blocks` when CuPy is imported, before Dask pickles
+    the task, and by the cuda backend. See the module's docstring.
 
     Examples
     --------

@@ -11,6 +11,7 @@ batches (:mod:`.batch`), and the layer Dask built is rewritten once
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +53,17 @@ def _out_axis(ndim: int, axis: int, drop_axis: list[int], new_axis: list[int], c
     for j, ax in enumerate(sorted(new_axis)):
         labels.insert(ax, -1 - j)
     return labels.index(ndim - 1 - axis)
+
+
+def _guard_gpu_kernels() -> None:
+    """Before Dask pickles ``func``: CuPy kernels it closes over must not be copied in-process
+    (see :mod:`dask_overlap.backends.kernel_pickling`). Only when CuPy is already
+    imported, so CPU-only use never imports it."""
+    if "cupy" not in sys.modules:
+        return
+    from ..backends.kernel_pickling import guard_kernel_pickling
+
+    guard_kernel_pickling()
 
 
 def _inferred_dtype_and_meta(
@@ -253,6 +265,7 @@ def map_blocks(
     check_func(func)
     check_out_mode(out)
     opts = Options.from_config(sub_chunk_bytes=sub_chunk_bytes, in_flight=in_flight)
+    _guard_gpu_kernels()
     positions = array_positions(arrays, chunks)
     check_inputs(arrays, positions, enforce_ndim, meta)
     ndim = max((arrays[i].ndim for i in positions), default=0)

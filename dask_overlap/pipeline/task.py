@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-import pickle
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -140,17 +138,6 @@ class PartitionTask:
             task.split_axis = task.out_split_axis = None
         return task
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # Where CuPy is imported, func may close over a CuPy kernel that a pickled copy
-        # would break in this process (see dask_overlap.backends.kernel_pickling): this
-        # task pickles its state with kernels as references. (Without CuPy there is no
-        # kernel to keep: pickled as any object.)
-        if "cupy" not in sys.modules:
-            return super().__reduce_ex__(protocol)
-        from ..backends.kernel_pickling import dumps
-
-        return _loads_task, (type(self), dumps(self.__dict__))
-
     def __dask_tokenize__(self) -> Any:
         return (
             type(self).__name__,
@@ -200,13 +187,6 @@ def _one_each(axis: tuple | None) -> tuple | None:
         return None
     blocks = axis[3] if axis[0] == "regular" else len(axis[1])
     return ("regular", 1, 1, blocks)
-
-
-def _loads_task(cls: type[PartitionTask], state: bytes) -> PartitionTask:
-    """A partition task from :meth:`PartitionTask.__reduce_ex__`'s pickled state."""
-    task = cls.__new__(cls)
-    task.__dict__.update(pickle.loads(state))
-    return task
 
 
 class PartitionTaskWithInfo(PartitionTask):
