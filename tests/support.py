@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import threading
 from collections import Counter
@@ -219,3 +220,20 @@ def task_prefixes(collection: Any) -> Counter:
     (opt,) = dask.optimize(collection)
     keys = [k for k in dict(opt.__dask_graph__()) if isinstance(k, tuple)]
     return Counter(k[0].rsplit("-", 1)[0] for k in keys)
+
+
+#: Distributed's own log records, at a cluster's close on a busy machine, that are not the
+#: example's: a worker whose last heartbeat met a scheduler already closing.
+_SHUTDOWN_NOISE = ("Failed to communicate with scheduler during heartbeat",)
+
+
+def without_shutdown_noise(stderr: str) -> str:
+    """``stderr`` without distributed's log records of :data:`_SHUTDOWN_NOISE` (each with
+    the traceback that follows it, up to the next record)."""
+    kept, skipping = [], False
+    for line in stderr.splitlines(keepends=True):
+        if re.match(r"\d{4}-\d\d-\d\d ", line):  # a new log record
+            skipping = any(n in line for n in _SHUTDOWN_NOISE)
+        if not skipping:
+            kept.append(line)
+    return "".join(kept)

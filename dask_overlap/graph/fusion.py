@@ -23,7 +23,6 @@ whose ``split_axis`` differs from the one before runs whole partitions too.
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Iterable
 from typing import Any
@@ -38,7 +37,7 @@ from dask.utils import funcname
 from ..config import Options
 from ..pipeline.program import PREVIOUS, Call, Program, Template
 from ..pipeline.task import PartitionTask
-from .rewrite import PARTITION_ANNOTATION, is_task_node, layer_of, unfused_task
+from .rewrite import PARTITION_ANNOTATION, is_task_node, layer_of, retargeted
 
 __all__ = ["explain", "fuse", "install", "optimize"]
 
@@ -140,10 +139,9 @@ def _result_dtype(step: Template, task: PartitionTask) -> Any:
 
 def _absorb(
     consumer: Any, name: str, layer: Blockwise, task: PartitionTask
-) -> tuple[PartitionTask, dict] | None:
-    """The partition task of ``layer`` with ``consumer``'s step added to its program, and
-    the partition layer's new annotations; ``None`` where ``consumer`` is not such a
-    step (see the module docstring)."""
+) -> PartitionTask | None:
+    """The partition task of ``layer`` with ``consumer``'s step added to its program;
+    ``None`` where ``consumer`` is not such a step (see the module docstring)."""
     if not isinstance(consumer, Blockwise) or _own_annotations(consumer) != _own_annotations(layer):
         return None
     if not _reads_blockwise(consumer, name, layer):
@@ -154,7 +152,7 @@ def _absorb(
         if step is None or next_task.backend != task.backend:
             return None
         fused = task.absorbed(step, next_task, next_task.split_axis != task.split_axis)
-        return fused, consumer.annotations
+        return fused
     if consumer.io_deps:
         return None
     step = _stage_of_template(consumer, name)
@@ -163,21 +161,7 @@ def _absorb(
     axis = consumer.task.kwargs.get("axis", ())  # a reduction's first step: its axes
     reduces = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     dtype = _result_dtype(step, task)
-    fused = task.absorbed(step, None, bool(reduces), dtype, reduces)
-    return fused, {**(consumer.annotations or {}), PARTITION_ANNOTATION: consumer.output}
-
-
-def _fused_layer(
-    layer: Blockwise, task: PartitionTask, fused: PartitionTask, name: str, annotations: dict
-) -> Blockwise:
-    """``layer`` as the partition layer ``name`` of the ``fused`` task."""
-    new = copy.copy(layer)
-    new.__dict__.pop("_cached_dict", None)  # tasks made for the old name
-    new.output = name
-    new.indices = tuple((fused if v is task else v, i) for v, i in layer.indices)
-    new.task = unfused_task(layer.task, name)
-    new.annotations = {**(annotations or {}), PARTITION_ANNOTATION: name}
-    return new
+    return task.absorbed(step, None, bool(reduces), dtype, reduces)
 
 
 def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
@@ -203,11 +187,10 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
             if task is None or name in wanted or len(readers.get(name, ())) != 1:
                 continue
             (reader,) = readers[name]
-            got = _absorb(layers[reader], name, layer, task)
-            if got is None:
+            fused = _absorb(layers[reader], name, layer, task)
+            if fused is None:
                 continue
-            fused, annotations = got
-            layers[reader] = _fused_layer(layer, task, fused, reader, annotations)
+            layers[reader] = retargeted(layer, task, fused, reader, _own_annotations(layer))
             deps[reader] = deps.pop(name)
             del layers[name]
             changed = True

@@ -9,12 +9,13 @@ layer the graph keeps; the layer Dask built is not changed:
   knows the array's name, chunks and dtype (``PartitionTask.declared``), so that every
   partition checks what ``func`` returns against what the array declares;
 - **each partition stays its own task** through Dask's two fusions (see
-  :func:`_unfused`);
+  :func:`unfused_task`);
 - **alias layers are seen through** (:func:`skip_aliases`).
 
 This module is where dask_overlap touches Dask's private task objects
-(``dask._task_spec``): Dask offers no public way to keep a layer out of its fusions, nor
-to tell an alias from a task. Nowhere else in the package does.
+(``dask._task_spec``) and the inside of a ``Blockwise`` layer (:func:`retargeted`, which
+fusion uses too): Dask offers no public way to keep a layer out of its fusions, to tell
+an alias from a task, or to give a layer another task. Nowhere else in the package does.
 
 **Aliases.** ``da.concatenate``, ``x.blocks[...]`` and other reorderings make a graph
 layer whose every task is an alias: block ``i`` of the new array *is* block ``j`` of
@@ -57,6 +58,7 @@ __all__ = [
     "is_task_node",
     "layer_of",
     "partition_layer",
+    "retargeted",
     "skip_aliases",
     "unfused_task",
 ]
@@ -197,9 +199,26 @@ if _DaskTask is not None:
 PARTITION_ANNOTATION = "overlap_partition"
 
 
-def _unfused(layer: Blockwise, name: str) -> tuple[Any, dict]:
-    """The task template and the annotations that keep every task of the partition layer
-    ``name`` its own task through Dask's two fusions:
+def retargeted(
+    layer: Blockwise, task: Any, new_task: Any, name: str, annotations: dict | None
+) -> Blockwise:
+    """A copy of the partition layer ``layer`` that calls ``new_task`` where it called
+    ``task``, named ``name`` (its keys and its annotation), with ``annotations`` (the
+    user's; ours added); ``layer`` itself is left as it is."""
+    new = copy.copy(layer)  # Blockwise keeps its state in plain attributes...
+    new.__dict__.pop("_cached_dict", None)  # ...and the tasks it made, for the old ones
+    new.output = name
+    new.indices = tuple((new_task if v is task else v, i) for v, i in layer.indices)
+    new.task = unfused_task(layer.task, name)
+    new.annotations = {**(annotations or {}), PARTITION_ANNOTATION: name}
+    return new
+
+
+def unfused_task(template: Any, key: str) -> Any:
+    """``template`` (a partition layer's task) as an :class:`_UnfusedTask` for ``key``.
+
+    With the annotation :func:`retargeted` adds, it keeps every task of a partition layer
+    its own task through Dask's two fusions:
 
     - linear fusion: its task template is an :class:`_UnfusedTask` (``Task.substitute``
       keeps the class);
@@ -210,15 +229,9 @@ def _unfused(layer: Blockwise, name: str) -> tuple[Any, dict]:
       never does. On the host backend's synchronous path (2,000 partitions of 64 KiB, on
       a 2-core CPU machine), a partition fused with ``* 1`` after it cost about 740 µs
       against 340-420 µs as tasks of their own; one fused with ``x * 1`` before it, 625
-      against 440-530. Where it reaches the scheduler (with Dask's low-level fusion
-      off), distributed keeps it and acts on nothing. A user's annotations stay.
+      against 440-530. What does belong in a partition is taken into it by
+      dask_overlap's own fusion (:mod:`.fusion`), which runs before Dask's.
     """
-    annotations = {**(layer.annotations or {}), PARTITION_ANNOTATION: name}
-    return unfused_task(layer.task, name), annotations
-
-
-def unfused_task(template: Any, key: str) -> Any:
-    """``template`` (a partition layer's task) as an :class:`_UnfusedTask` for ``key``."""
     t = template
     if _DaskTask is None or not isinstance(t, _DaskTask):  # pragma: no cover - another Dask
         return t
@@ -244,10 +257,7 @@ def partition_layer(result: da.Array, task: Any) -> da.Array:
             "this version of dask_overlap expects a Blockwise layer"
         )
     declared = task.declared(name, result.chunks, result.dtype)
-    new = copy.copy(layer)  # Blockwise keeps its state in plain attributes
-    new.__dict__.pop("_cached_dict", None)  # tasks made for the old partition task
-    new.indices = tuple((declared if v is task else v, i) for v, i in layer.indices)
-    new.task, new.annotations = _unfused(layer, name)
+    new = retargeted(layer, task, declared, name, layer.annotations)
     layers = {**graph.layers, name: new}
     result = da.Array(
         HighLevelGraph(layers, graph.dependencies), name, result.chunks, meta=result._meta
