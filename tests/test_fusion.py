@@ -207,6 +207,76 @@ def test_a_fused_step_that_raises_is_named_and_keeps_its_type():
     assert "partition ('add-" in notes
 
 
+# -- stores ----------------------------------------------------------------------------------
+class Recording(np.ndarray):
+    """A NumPy target that counts the writes made through ``target[index] = block``."""
+
+    writes = 0
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        type(self).writes += 1
+        super().__setitem__(index, value)
+
+
+@pytest.fixture
+def recording() -> Any:
+    Recording.writes = 0
+    return Recording
+
+
+def test_a_store_after_a_stage_fills_the_target_in_place(recording):
+    a, x = data()
+    y = stage(double, x, sub_chunk_bytes="2KiB")
+    target = np.zeros(a.shape).view(recording)
+    stored = da.store(y, target, lock=False, compute=False)
+    assert steps(stored) == [["double", "store into Recording"]]
+    stored.compute()
+    np.testing.assert_array_equal(np.asarray(target), a * 2)
+    assert recording.writes == 0  # each sub-chunk went into the target's region itself
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions and stats["sub_chunks"] > x.npartitions
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"lock": True}, {"regions": (slice(16, 272),)}, {"return_stored": True}]
+)
+def test_a_fused_store_does_what_dask_store_does(kwargs):
+    a, x = data()
+    y = stage(double, x)
+    shape = (288, 24) if "regions" in kwargs else a.shape
+    got, want = np.zeros(shape), np.zeros(shape)
+    out = da.store(y, got, **kwargs)
+    with dask.config.set({"overlap.fuse": False}):
+        expected = da.store(y, want, **kwargs)
+    np.testing.assert_array_equal(got, want)
+    if kwargs.get("return_stored"):
+        np.testing.assert_array_equal(out.compute(), expected.compute())
+
+
+@pytest.mark.parametrize("how", ["strided", "other dtype"])
+def test_a_target_that_cannot_be_filled_in_place_is_written_as_dask_writes_it(recording, how):
+    a, x = data()
+    y = stage(double, x)
+    if how == "strided":
+        target = np.zeros(a.shape[::-1]).T.view(recording)
+    else:
+        target = np.zeros(a.shape, "f4").view(recording)
+    da.store(y, target, lock=False)
+    np.testing.assert_allclose(np.asarray(target), a * 2, rtol=1e-6)
+    assert recording.writes == x.npartitions
+    assert wait_until_idle()["partitions"] == x.npartitions  # fused all the same
+
+
+def test_a_store_into_a_delayed_target_is_left_as_it_is():
+    a, x = data()
+    y = stage(double, x)
+    target = np.zeros(a.shape)
+    stored = da.store(y, dask.delayed(lambda: target)(), lock=False, compute=False)
+    assert steps(stored) == [["double"]]
+    stored.compute()
+    np.testing.assert_array_equal(target, a * 2)
+
+
 # -- batches and clusters ----------------------------------------------------------------
 def test_two_auto_stages_over_small_blocks_fuse_through_their_batches():
     a = np.random.default_rng(1).standard_normal((4096, 16))
@@ -274,3 +344,18 @@ def test_a_fused_reduction_on_the_gpu(cuda, how, axis):
     stats = wait_until_idle()
     assert stats["partitions"] == x.npartitions
     assert stats["bytes_d2h"] < a.nbytes // 8  # only the partials came back
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target_kind", ["ndarray", "strided"])
+def test_a_fused_store_on_the_gpu(cuda, target_kind):
+    a = np.random.default_rng(5).standard_normal((4096, 256)).astype("f4")
+    x = da.from_array(a, chunks=(512, 256))
+    y = dask_overlap.map_blocks(lambda b: b * 2 + 1, x, split_axis=0, sub_chunk_bytes="128KiB")
+    target = np.zeros(a.shape, "f4") if target_kind == "ndarray" else np.zeros(a.shape[::-1], "f4").T
+    stored = da.store(y, target, lock=False, compute=False)
+    assert [len(s) for s in steps(stored)] == [2]
+    stored.compute()
+    np.testing.assert_allclose(target, a * 2 + 1, rtol=1e-6)
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions and stats["bytes_d2h"] == a.nbytes

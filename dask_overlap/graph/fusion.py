@@ -16,6 +16,9 @@ NumPy function or Dask chunk function), layers whose annotations differ from the
 partition's (a user's ``dask.annotate``), and everything when ``overlap.fuse`` is false.
 A step is taken only where its blocks are the partition's blocks, one to one.
 
+The store step of ``da.store`` (and ``to_zarr``) after a partition ends it too: the
+partition writes its result into the target (see :mod:`~dask_overlap.pipeline.store`).
+
 A reduction's step ends the partition's program and makes it one whole sub-chunk (its
 partial of a sub-chunk would not be the partial of the partition); a partition stage
 whose ``split_axis`` differs from the one before runs whole partitions too.
@@ -29,13 +32,16 @@ from typing import Any
 
 import dask
 import numpy as np
+from dask.array.core import load_store_chunk
 from dask.blockwise import Blockwise
+from dask.layers import ArraySliceDep
 from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph
 from dask.utils import funcname
 
 from ..config import Options
 from ..pipeline.program import PREVIOUS, Call, Program, Template
+from ..pipeline.store import Store, known
 from ..pipeline.task import PartitionTask
 from .rewrite import PARTITION_ANNOTATION, is_task_node, layer_of, retargeted
 
@@ -154,7 +160,7 @@ def _absorb(
         fused = task.absorbed(step, next_task, next_task.split_axis != task.split_axis)
         return fused
     if consumer.io_deps:
-        return None
+        return _store_of(consumer, task)
     step = _stage_of_template(consumer, name)
     if step is None:
         return None
@@ -162,6 +168,26 @@ def _absorb(
     reduces = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     dtype = _result_dtype(step, task)
     return task.absorbed(step, None, bool(reduces), dtype, reduces)
+
+
+def _store_of(layer: Blockwise, task: PartitionTask) -> PartitionTask | None:
+    """The partition task that also does ``layer``'s work where ``layer`` is the store
+    step of ``da.store`` (Dask's ``load_store_chunk`` on each block, with the block's
+    slice from an ``ArraySliceDep``) into a target given as it is; else ``None``."""
+    t = layer.task
+    if t.func is not load_store_chunk or task.out_mode == "device" or not known(task.out_chunks):
+        return None
+    targets = [v for v, i in layer.indices if i is None]
+    slices = [v for v, i in layer.indices if i is not None and v in layer.io_deps]
+    if len(targets) != 1 or is_task_node(targets[0]) or len(slices) != 1:
+        return None  # a target Dask computes first (a Delayed one): left as it is
+    if not isinstance(layer.io_deps[slices[0]], ArraySliceDep):
+        return None
+    kw = t.kwargs
+    if any(is_task_node(v) for v in kw.values()):
+        return None
+    store = Store(targets[0], kw["region"], kw["lock"], kw["return_stored"], kw["load_stored"])
+    return task.stored(store, layer.output)
 
 
 def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
@@ -249,6 +275,8 @@ def explain(*collections: Any) -> str:
         if task is None:
             continue
         steps = task.func.names if isinstance(task.func, Program) else [funcname(task.func)]
+        if task.store is not None:
+            steps = [*steps, f"store into {type(task.store.target).__name__}"]
         n = int(np.prod([layer.dims[i] for i in layer.output_indices]))
         what = " -> ".join(steps)
         how = f" (fused: {len(steps)} steps, one copy in and one out)" if len(steps) > 1 else ""

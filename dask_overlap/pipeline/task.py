@@ -21,6 +21,7 @@ from dask.utils import funcname
 from .current import get_runtime
 from .partition import PartitionSpec, run_partition
 from .program import Program
+from .store import Store
 
 __all__ = ["PartitionTask", "PartitionTaskWithInfo", "axis_extents", "block_shape"]
 
@@ -92,6 +93,7 @@ class PartitionTask:
         self.key_name = funcname(func)
         self.out_chunks: tuple[tuple | None, ...] | None = None  # per axis: see axis_extents
         self.out_dtype: np.dtype | None = None
+        self.store: Store | None = None  # a fused store after the steps (see .store)
 
     def declared(
         self, name: str, chunks: tuple[tuple[float, ...], ...], dtype: Any
@@ -138,6 +140,15 @@ class PartitionTask:
             task.split_axis = task.out_split_axis = None
         return task
 
+    def stored(self, store: Store, name: str) -> PartitionTask:
+        """A copy of this task that writes each partition's result into ``store``'s
+        target (Dask's ``load_store_chunk`` after it, fused), its keys named ``name``."""
+        task = copy.copy(self)
+        task.store, task.key_name = store, name
+        if task.out_mode == "pinned":  # the result lives in the target, not in the pool
+            task.out_mode = "host"
+        return task
+
     def __dask_tokenize__(self) -> Any:
         return (
             type(self).__name__,
@@ -150,14 +161,19 @@ class PartitionTask:
             self.in_flight,
             self.out_mode,
             self.batch,
+            None if self.store is None else type(self.store.target).__name__,
         )
 
     def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
         if self.func_block_id:
             kwargs = dict(kwargs, block_id=block_id)
-        out_shape = None
+        out_shape = into = index = None
         if self.out_chunks is not None and block_id is not None:
             out_shape = block_shape(self.out_chunks, block_id)
+        store = self.store
+        if store is not None:
+            index = store.index(self.out_chunks, block_id or ())
+            into = store.into(index)
         # In the fields' order, not by keyword: twelve keywords cost a dataclass's
         # __init__ more than the rest of the spec does, and this runs per partition.
         spec = PartitionSpec(
@@ -174,8 +190,10 @@ class PartitionTask:
             self.out_dtype,
             self.out_mode,  # out
             self.batch,
+            into,
         )
-        return run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
+        result = run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
+        return result if store is None else store.finish(result, into, index)
 
     def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
         return self._run(args, block_id, None, kwargs)
