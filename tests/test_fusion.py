@@ -352,7 +352,9 @@ def test_a_fused_store_on_the_gpu(cuda, target_kind):
     a = np.random.default_rng(5).standard_normal((4096, 256)).astype("f4")
     x = da.from_array(a, chunks=(512, 256))
     y = dask_overlap.map_blocks(lambda b: b * 2 + 1, x, split_axis=0, sub_chunk_bytes="128KiB")
-    target = np.zeros(a.shape, "f4") if target_kind == "ndarray" else np.zeros(a.shape[::-1], "f4").T
+    target = np.zeros(a.shape, "f4")
+    if target_kind == "strided":
+        target = np.zeros(a.shape[::-1], "f4").T
     stored = da.store(y, target, lock=False, compute=False)
     assert [len(s) for s in steps(stored)] == [2]
     stored.compute()

@@ -34,9 +34,9 @@ import dask
 import numpy as np
 from dask.array.core import load_store_chunk
 from dask.blockwise import Blockwise
-from dask.layers import ArraySliceDep
 from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph
+from dask.layers import ArraySliceDep
 from dask.utils import funcname
 
 from ..config import Options

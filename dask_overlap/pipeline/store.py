@@ -60,9 +60,7 @@ class Store:
 
     __slots__ = ("load_stored", "lock", "region", "return_stored", "target")
 
-    def __init__(
-        self, target: Any, region: Any, lock: Any, return_stored: bool, load_stored: bool
-    ):
+    def __init__(self, target: Any, region: Any, lock: Any, return_stored: bool, load_stored: bool):
         self.target, self.region, self.lock = target, region, lock
         self.return_stored, self.load_stored = return_stored, load_stored
 
