@@ -39,6 +39,10 @@ def double(b: Any) -> Any:
     return b * 2
 
 
+def row_sums(b: Any) -> Any:
+    return b.sum(axis=1)
+
+
 def test_two_stages_run_as_one_partition_a_block():
     a, x = data()
     z = stage(np.abs, stage(double, x))
@@ -79,6 +83,60 @@ def test_elementwise_steps_after_a_stage(build, expected):
     got = z.compute()
     np.testing.assert_allclose(got, plain.compute())
     assert got.dtype == plain.dtype
+
+
+@pytest.mark.parametrize(
+    "build, expected",
+    [
+        (lambda x: x * 2 + 1, ["mul", "add", "double"]),
+        (lambda x: da.sqrt(abs(x)), ["abs", "sqrt", "double"]),
+        (lambda x: x.astype("f4"), ["astype", "double"]),
+        (lambda x: da.where(x > 0, x, 0), None),  # the last step reads two arrays
+        (lambda x: x.map_blocks(lambda b: b + 1), None),  # a function of the user's
+    ],
+    ids=["mul-add", "sqrt-abs", "astype", "two-inputs", "users-function"],
+)
+def test_elementwise_steps_before_a_stage(build, expected):
+    a, x = data()
+    z = stage(double, build(x))
+    if expected is not None:
+        assert steps(z) == [expected]
+        assert stage(double, x).npartitions == x.npartitions
+    else:
+        assert steps(z)[-1][-1:] == ["double"] and len(steps(z)[-1]) == 1
+    got = z.compute()
+    plain = build(x).map_blocks(double)
+    np.testing.assert_allclose(got, plain.compute())
+    assert got.dtype == plain.dtype
+    if expected is not None:
+        stats = wait_until_idle()
+        assert stats["partitions"] == x.npartitions
+        assert stats["bytes_h2d"] == a.nbytes  # x's blocks handed in, not the step's
+
+
+def test_a_step_before_a_stage_read_by_something_else_too_is_left_as_it_is():
+    a, x = data()
+    y = x * 2
+    z = stage(double, y) + y
+    assert steps(z) == [["double"]]  # (and the add reads two arrays)
+    np.testing.assert_allclose(z.compute(), a * 4 + a * 2)
+
+
+def test_a_step_before_a_stage_with_other_annotations_is_left_as_it_is():
+    a, x = data()
+    with dask.annotate(priority=5):
+        y = x * 2
+    z = stage(double, y)
+    assert steps(z) == [["double"]]
+    np.testing.assert_allclose(z.compute(), a * 4)
+
+
+def test_a_step_before_a_stage_that_raises_is_named():
+    bad = stage(double, da.from_array(np.array(["a", "b"] * 4), chunks=2).astype("f8"))
+    with pytest.raises(ValueError) as info:
+        bad.compute()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "fused step 1 of 2: astype" in notes
 
 
 REDUCTIONS = ["sum", "prod", "min", "max", "mean", "var", "std", "nansum", "nanmean", "nanmax"]
@@ -361,3 +419,16 @@ def test_a_fused_store_on_the_gpu(cuda, target_kind):
     np.testing.assert_allclose(target, a * 2 + 1, rtol=1e-6)
     stats = wait_until_idle()
     assert stats["partitions"] == x.npartitions and stats["bytes_d2h"] == a.nbytes
+
+
+@pytest.mark.gpu
+def test_elementwise_steps_before_a_stage_on_the_gpu(cuda):
+    a = np.random.default_rng(6).standard_normal((4096, 256))
+    x = da.from_array(a, chunks=(512, 256))
+    y = (x * 2 + 1).astype("f4")
+    z = dask_overlap.map_blocks(row_sums, y, split_axis=0, sub_chunk_bytes="256KiB", drop_axis=1)
+    assert steps(z) == [["mul", "add", "astype", "row_sums"]]
+    got = z.compute()
+    np.testing.assert_allclose(got, (a * 2 + 1).astype("f4").sum(axis=1), rtol=1e-4)
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions and stats["bytes_h2d"] == a.nbytes

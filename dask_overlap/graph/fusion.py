@@ -43,7 +43,7 @@ from ..config import Options
 from ..pipeline.program import PREVIOUS, Call, Program, Template
 from ..pipeline.store import Store, known
 from ..pipeline.task import PartitionTask
-from .rewrite import PARTITION_ANNOTATION, is_task_node, layer_of, retargeted
+from .rewrite import PARTITION_ANNOTATION, is_task_node, layer_of, rerouted, retargeted
 
 __all__ = ["explain", "fuse", "install", "optimize"]
 
@@ -129,6 +129,56 @@ def _stage_of_template(layer: Blockwise, name: str) -> Template | None:
     return Template(layer.output, task, token, constants)
 
 
+def _argument_positions(layer: Blockwise, task: PartitionTask) -> dict[str, int]:
+    """The arrays ``layer`` (a partition layer) reads, by name, with the position of the
+    argument each is to the partition's ``func`` (as :func:`_stage_of_partition` counts)."""
+    positions, n = {}, 0
+    for value, index in layer.indices:
+        if value is task or (index is None and isinstance(value, tuple)):
+            continue
+        if index is not None and value in layer.io_deps:
+            continue
+        if index is not None:
+            positions[value] = n
+        n += 1
+    return positions
+
+
+def _elementwise_input(layer: Any) -> str | None:
+    """The one array ``layer`` reads where it is an elementwise Dask step that can run on
+    a partition's device blocks (block for block, the same grid, no axis), else ``None``."""
+    if not isinstance(layer, Blockwise) or partition_task(layer) is not None or layer.io_deps:
+        return None
+    if layer.concatenate or layer.new_axes or "axis" in layer.task.kwargs:
+        return None
+    arrays = [(v, i) for v, i in layer.indices if i is not None]
+    grid = tuple(layer.dims[i] for i in layer.output_indices)
+    if len(arrays) != 1 or arrays[0][1] != layer.output_indices:
+        return None
+    if tuple(layer.numblocks.get(arrays[0][0], ())) != grid:
+        return None
+    return arrays[0][0]
+
+
+def _take_before(
+    layers: dict, name: str, layer: Blockwise, task: PartitionTask, producer: str
+) -> Blockwise | None:
+    """``layer`` (a partition layer) with the elementwise step ``producer`` (which only
+    it reads) taken in, run on the device before its ``func``; ``None`` where it cannot."""
+    step_layer = layers.get(producer)
+    source = _elementwise_input(step_layer)
+    if source is None or _own_annotations(step_layer) != _own_annotations(layer):
+        return None
+    position = _argument_positions(layer, task).get(producer)
+    if position is None or [v for v, _ in layer.indices].count(producer) != 1:
+        return None
+    step = _stage_of_template(step_layer, source)
+    if step is None:
+        return None
+    fused = task.preceded(position, step)
+    return rerouted(layer, task, fused, producer, source)
+
+
 def _result_dtype(step: Template, task: PartitionTask) -> Any:
     """The dtype of ``step``'s output on blocks of the partition's (run on one element of
     NumPy, as Dask infers a meta), or ``None`` where that says nothing (no dtype known
@@ -210,7 +260,21 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
                 readers.setdefault(dep, set()).add(name)
         for name, layer in list(layers.items()):
             task = partition_task(layer)
-            if task is None or name in wanted or len(readers.get(name, ())) != 1:
+            if task is None:
+                continue
+            for producer in deps.get(name, ()):
+                if producer in wanted or readers.get(producer) != {name}:
+                    continue
+                fused_layer = _take_before(layers, name, layer, task, producer)
+                if fused_layer is not None:
+                    layers[name] = fused_layer
+                    deps[name] = (deps[name] - {producer}) | deps.pop(producer)
+                    del layers[producer]
+                    changed = True
+                    break
+            if changed:
+                break  # the readers changed: look again
+            if name in wanted or len(readers.get(name, ())) != 1:
                 continue
             (reader,) = readers[name]
             fused = _absorb(layers[reader], name, layer, task)

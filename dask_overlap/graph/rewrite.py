@@ -58,6 +58,7 @@ __all__ = [
     "is_task_node",
     "layer_of",
     "partition_layer",
+    "rerouted",
     "retargeted",
     "skip_aliases",
     "unfused_task",
@@ -212,6 +213,22 @@ def retargeted(
     new.task = unfused_task(layer.task, name)
     new.annotations = {**(annotations or {}), PARTITION_ANNOTATION: name}
     return new
+
+
+def rerouted(layer: Blockwise, task: Any, new_task: Any, old: str, new: str) -> Blockwise:
+    """A copy of the partition layer ``layer`` that calls ``new_task`` where it called
+    ``task`` and reads the blocks of ``new`` where it read those of ``old`` (the same grid:
+    the array an elementwise step it took in read); ``layer`` itself is left as it is."""
+    copied = copy.copy(layer)
+    for cached in ("_cached_dict", "_dims"):
+        copied.__dict__.pop(cached, None)
+    copied.indices = tuple(
+        (new_task if v is task else new if v == old else v, i) for v, i in layer.indices
+    )
+    numblocks = dict(layer.numblocks)
+    numblocks[new] = numblocks.pop(old)
+    copied.numblocks = numblocks
+    return copied
 
 
 def unfused_task(template: Any, key: str) -> Any:

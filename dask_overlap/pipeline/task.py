@@ -140,6 +140,15 @@ class PartitionTask:
             task.split_axis = task.out_split_axis = None
         return task
 
+    def preceded(self, position: int, step: Any) -> PartitionTask:
+        """A copy of this task whose ``func`` first applies ``step`` (a Dask elementwise
+        step, see :mod:`.program`) to its argument ``position``."""
+        task = copy.copy(self)
+        program = self.func if isinstance(self.func, Program) else Program(self.func)
+        before = ((position, step), *program.before)  # the new step is the earliest
+        task.func = Program(program.first, before, program.then)
+        return task
+
     def stored(self, store: Store, name: str) -> PartitionTask:
         """A copy of this task that writes each partition's result into ``store``'s
         target (Dask's ``load_store_chunk`` after it, fused), its keys named ``name``."""
