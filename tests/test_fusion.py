@@ -346,6 +346,28 @@ def test_two_auto_stages_over_small_blocks_fuse_through_their_batches():
     assert z.chunks == x.chunks
 
 
+@pytest.mark.parametrize(
+    "build, taken",
+    [
+        (lambda y: y * 2 + 1, ["mul", "add"]),
+        (lambda y: y.astype("f4").max(axis=1), ["astype", "chunk_max"]),
+        (lambda y: y.sum(axis=1, keepdims=True), ["sum"]),
+        (lambda y: y.sum(axis=0), []),  # along the batches: partials a block are needed
+        (lambda y: y.mean(axis=1), []),  # a mean's partial is a dict, which cannot be cut
+    ],
+    ids=["elementwise", "astype-max", "sum-rows", "sum-along-batches", "mean"],
+)
+def test_steps_after_an_auto_stage_over_small_blocks_run_before_the_cut_back(build, taken):
+    a = np.random.default_rng(1).standard_normal((4096, 16))
+    x = da.from_array(a, chunks=(64, 16))  # 64 blocks of 8 KiB: joined in batches
+    y = dask_overlap.map_blocks(double, x, split_axis=0)
+    z = build(y)
+    assert steps(z) == [["double", *taken]]
+    want = build(da.from_array(a * 2, chunks=(64, 16)))
+    assert z.chunks == want.chunks and z.dtype == want.dtype
+    np.testing.assert_allclose(z.compute(), want.compute())
+
+
 def test_a_fused_pipeline_on_worker_processes():
     a, x = data()
     z = (stage(np.abs, stage(double, x)) * 3).sum(axis=0)

@@ -43,6 +43,7 @@ from ..config import Options
 from ..pipeline.program import PREVIOUS, Call, Program, Template
 from ..pipeline.store import Store, known
 from ..pipeline.task import PartitionTask
+from .batch import CutBack
 from .rewrite import PARTITION_ANNOTATION, is_task_node, layer_of, rerouted, retargeted
 
 __all__ = ["explain", "fuse", "install", "optimize"]
@@ -77,11 +78,14 @@ def _own_annotations(layer: Any) -> dict:
     return {k: v for k, v in (layer.annotations or {}).items() if k != PARTITION_ANNOTATION}
 
 
-def _reads_blockwise(layer: Blockwise, name: str, producer: Blockwise) -> bool:
-    """Whether ``layer`` reads ``name`` (made by ``producer``) once, block for block (the
+def _grid(layer: Blockwise) -> tuple[int, ...]:
+    return tuple(layer.dims[i] for i in layer.output_indices)
+
+
+def _reads_blockwise(layer: Blockwise, name: str, grid: tuple[int, ...]) -> bool:
+    """Whether ``layer`` reads ``name`` (of blocks on ``grid``) once, block for block (the
     same index, the same grid), and no other array."""
     arrays = [(v, i) for v, i in layer.indices if i is not None and v not in layer.io_deps]
-    grid = tuple(producer.dims[i] for i in producer.output_indices)
     return (
         len(arrays) == 1
         and arrays[0] == (name, layer.output_indices)
@@ -152,7 +156,7 @@ def _elementwise_input(layer: Any) -> str | None:
     if layer.concatenate or layer.new_axes or "axis" in layer.task.kwargs:
         return None
     arrays = [(v, i) for v, i in layer.indices if i is not None]
-    grid = tuple(layer.dims[i] for i in layer.output_indices)
+    grid = _grid(layer)
     if len(arrays) != 1 or arrays[0][1] != layer.output_indices:
         return None
     if tuple(layer.numblocks.get(arrays[0][0], ())) != grid:
@@ -179,18 +183,51 @@ def _take_before(
     return rerouted(layer, task, fused, producer, source)
 
 
-def _result_dtype(step: Template, task: PartitionTask) -> Any:
-    """The dtype of ``step``'s output on blocks of the partition's (run on one element of
-    NumPy, as Dask infers a meta), or ``None`` where that says nothing (no dtype known
-    before it, a partial that is not an array)."""
+def _probe(step: Template, task: PartitionTask) -> Any:
+    """``step``'s output on one element of NumPy like the partition's blocks (as Dask infers
+    a meta), or ``None`` where that says nothing (no dtype known before it, an error)."""
     if task.out_dtype is None or task.out_chunks is None:
         return None
     try:
         with np.errstate(all="ignore"):
-            got = step(np.ones((1,) * len(task.out_chunks), dtype=task.out_dtype))
+            return step(np.ones((1,) * len(task.out_chunks), dtype=task.out_dtype))
     except Exception:
         return None
-    return getattr(got, "dtype", None)
+
+
+def _result_dtype(step: Template, task: PartitionTask) -> Any:
+    """The dtype of ``step``'s output on blocks of the partition's, or ``None`` where not
+    known (see :func:`_probe`; a partial that is not an array has none)."""
+    return getattr(_probe(step, task), "dtype", None)
+
+
+def _reduced_axes(layer: Blockwise) -> tuple:
+    """The axes a Dask step reduces (a reduction's first step), ``()`` for none."""
+    axis = layer.task.kwargs.get("axis", ())
+    return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def _absorb_through(
+    consumer: Any, cut_name: str, cut: CutBack, layer: Blockwise, task: PartitionTask
+) -> tuple[PartitionTask, np.dtype] | None:
+    """The partition task of ``layer`` (whose batches ``cut`` cuts back into blocks) with
+    ``consumer``'s Dask step taken in, run on each batch before the cut, and the dtype of
+    its output; ``None`` where the step is not one that can be (an elementwise step, or a
+    reduction's first step over axes other than the cut's, whose partial is an array)."""
+    if not isinstance(consumer, Blockwise) or partition_task(consumer) is not None:
+        return None
+    if consumer.io_deps or _own_annotations(consumer) != _own_annotations(layer):
+        return None
+    if not _reads_blockwise(consumer, cut_name, _grid(consumer)):
+        return None
+    step = _stage_of_template(consumer, cut_name)
+    reduces = _reduced_axes(consumer)
+    if step is None or cut.axis in reduces:
+        return None
+    probe = _probe(step, task)
+    if not isinstance(probe, np.ndarray):
+        return None  # (a mean's partial is a dict: it cannot be cut)
+    return task.absorbed(step, None, bool(reduces), probe.dtype, reduces), probe.dtype
 
 
 def _absorb(
@@ -200,7 +237,7 @@ def _absorb(
     ``None`` where ``consumer`` is not such a step (see the module docstring)."""
     if not isinstance(consumer, Blockwise) or _own_annotations(consumer) != _own_annotations(layer):
         return None
-    if not _reads_blockwise(consumer, name, layer):
+    if not _reads_blockwise(consumer, name, _grid(layer)):
         return None
     next_task = partition_task(consumer)
     if next_task is not None:
@@ -214,8 +251,7 @@ def _absorb(
     step = _stage_of_template(consumer, name)
     if step is None:
         return None
-    axis = consumer.task.kwargs.get("axis", ())  # a reduction's first step: its axes
-    reduces = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    reduces = _reduced_axes(consumer)  # a reduction's first step: its axes
     dtype = _result_dtype(step, task)
     return task.absorbed(step, None, bool(reduces), dtype, reduces)
 
@@ -277,6 +313,11 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
             if name in wanted or len(readers.get(name, ())) != 1:
                 continue
             (reader,) = readers[name]
+            if isinstance(layers[reader], CutBack):
+                changed = _fuse_through(layers, deps, readers, wanted, name, reader)
+                if changed:
+                    break
+                continue
             fused = _absorb(layers[reader], name, layer, task)
             if fused is None:
                 continue
@@ -286,6 +327,28 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
             changed = True
             break  # the readers changed: look again
     return HighLevelGraph(layers, deps)
+
+
+def _fuse_through(
+    layers: dict, deps: dict, readers: dict, wanted: set, name: str, cut_name: str
+) -> bool:
+    """Take the one reader of ``cut_name`` (a :class:`CutBack` of the batched partition
+    layer ``name``) into the partitions, before the cut, which is then named as that reader
+    was; whether it was taken (``layers`` and ``deps`` changed in place)."""
+    cut, layer = layers[cut_name], layers[name]
+    if cut.batched != name or cut_name in wanted or len(readers.get(cut_name, ())) != 1:
+        return False
+    (consumer,) = readers[cut_name]
+    task = partition_task(layer)
+    fused = _absorb_through(layers[consumer], cut_name, cut, layer, task)
+    if fused is None:
+        return False
+    fused_task, dtype = fused
+    layers[name] = retargeted(layer, task, fused_task, name, _own_annotations(layer))
+    layers[consumer] = cut.renamed(consumer, cut.meta.astype(dtype))
+    deps[consumer] = {name}
+    del layers[cut_name], deps[cut_name]
+    return True
 
 
 def optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:
