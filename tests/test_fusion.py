@@ -287,7 +287,7 @@ def test_a_store_after_a_stage_fills_the_target_in_place(recording):
     y = stage(double, x, sub_chunk_bytes="2KiB")
     target = np.zeros(a.shape).view(recording)
     stored = da.store(y, target, lock=False, compute=False)
-    assert steps(stored) == [["double", "store into Recording"]]
+    assert steps(stored) == [["double", "store"]]
     stored.compute()
     np.testing.assert_array_equal(np.asarray(target), a * 2)
     assert recording.writes == 0  # each sub-chunk went into the target's region itself
@@ -325,14 +325,21 @@ def test_a_target_that_cannot_be_filled_in_place_is_written_as_dask_writes_it(re
     assert wait_until_idle()["partitions"] == x.npartitions  # fused all the same
 
 
-def test_a_store_into_a_delayed_target_is_left_as_it_is():
-    a, x = data()
-    y = stage(double, x)
-    target = np.zeros(a.shape)
-    stored = da.store(y, dask.delayed(lambda: target)(), lock=False, compute=False)
-    assert steps(stored) == [["double"]]
+@pytest.mark.parametrize("how", ["delayed", "large"])
+def test_a_target_in_a_key_of_its_own_is_handed_to_the_partition(recording, how):
+    # Dask puts a Delayed target, or a large array, in a key of its own: the fused
+    # partitions read it from there, as the store step did (it is not copied into them).
+    rows = 256 if how == "delayed" else 8192  # 8192 x 24 float64: 1.5 MiB
+    a = np.random.default_rng(2).standard_normal((rows, 24))
+    y = stage(double, da.from_array(a, chunks=(rows // 4, 24)))
+    target = np.zeros(a.shape).view(recording)
+    dest = dask.delayed(lambda: target)() if how == "delayed" else target
+    stored = da.store(y, dest, lock=False, compute=False)
+    assert steps(stored) == [["double", "store"]]
+    assert len(stored.__dask_graph__().layers) == 4  # from_array, the target, y, the store
     stored.compute()
-    np.testing.assert_array_equal(target, a * 2)
+    np.testing.assert_array_equal(np.asarray(target), a * 2)
+    assert recording.writes == 0
 
 
 # -- batches and clusters ----------------------------------------------------------------
@@ -431,7 +438,9 @@ def test_a_fused_reduction_on_the_gpu(cuda, how, axis):
 def test_a_fused_store_on_the_gpu(cuda, target_kind):
     a = np.random.default_rng(5).standard_normal((4096, 256)).astype("f4")
     x = da.from_array(a, chunks=(512, 256))
-    y = dask_overlap.map_blocks(lambda b: b * 2 + 1, x, split_axis=0, sub_chunk_bytes="128KiB")
+    y = dask_overlap.map_blocks(
+        lambda b: b * 2 + 1, x, split_axis=0, sub_chunk_bytes="128KiB", batch=1
+    )
     target = np.zeros(a.shape, "f4")
     if target_kind == "strided":
         target = np.zeros(a.shape[::-1], "f4").T

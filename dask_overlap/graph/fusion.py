@@ -44,7 +44,14 @@ from ..pipeline.program import PREVIOUS, Call, Program, Template
 from ..pipeline.store import Store, known
 from ..pipeline.task import PartitionTask
 from .batch import CutBack
-from .rewrite import PARTITION_ANNOTATION, is_task_node, layer_of, rerouted, retargeted
+from .rewrite import (
+    PARTITION_ANNOTATION,
+    is_task_node,
+    layer_of,
+    rerouted,
+    retargeted,
+    with_argument,
+)
 
 __all__ = ["explain", "fuse", "install", "optimize"]
 
@@ -256,23 +263,34 @@ def _absorb(
     return task.absorbed(step, None, bool(reduces), dtype, reduces)
 
 
-def _store_of(layer: Blockwise, task: PartitionTask) -> PartitionTask | None:
-    """The partition task that also does ``layer``'s work where ``layer`` is the store
-    step of ``da.store`` (Dask's ``load_store_chunk`` on each block, with the block's
-    slice from an ``ArraySliceDep``) into a target given as it is; else ``None``."""
+def _store_target(layer: Blockwise) -> tuple[bool, Any]:
+    """Whether ``layer`` is the store step of ``da.store`` (Dask's ``load_store_chunk`` on
+    each block, the block's slice from an ``ArraySliceDep``), and the value it gives as
+    the target: a constant, or a reference to the key that holds it (Dask puts a large
+    array, or a ``Delayed`` target, in a key of its own)."""
     t = layer.task
-    if t.func is not load_store_chunk or task.out_mode == "device" or not known(task.out_chunks):
-        return None
-    targets = [v for v, i in layer.indices if i is None]
+    if t.func is not load_store_chunk or len(t.args) < 2:
+        return False, None
     slices = [v for v, i in layer.indices if i is not None and v in layer.io_deps]
-    if len(targets) != 1 or is_task_node(targets[0]) or len(slices) != 1:
-        return None  # a target Dask computes first (a Delayed one): left as it is
-    if not isinstance(layer.io_deps[slices[0]], ArraySliceDep):
+    if len(slices) != 1 or not isinstance(layer.io_deps[slices[0]], ArraySliceDep):
+        return False, None
+    ref = getattr(t.args[1], "key", "")
+    if not isinstance(ref, str) or not ref.startswith("__dask_blockwise__"):
+        return False, None
+    value, index = layer.indices[int(ref.removeprefix("__dask_blockwise__"))]
+    return index is None, value
+
+
+def _store_of(layer: Blockwise, task: PartitionTask) -> PartitionTask | None:
+    """The partition task that also does ``layer``'s work where ``layer`` is a store step
+    (see :func:`_store_target`) whose options are given as they are; else ``None``."""
+    is_store, _ = _store_target(layer)
+    kw = layer.task.kwargs
+    if not is_store or task.out_mode == "device" or not known(task.out_chunks):
         return None
-    kw = t.kwargs
     if any(is_task_node(v) for v in kw.values()):
         return None
-    store = Store(targets[0], kw["region"], kw["lock"], kw["return_stored"], kw["load_stored"])
+    store = Store(kw["region"], kw["lock"], kw["return_stored"], kw["load_stored"])
     return task.stored(store, layer.output)
 
 
@@ -321,8 +339,13 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
             fused = _absorb(layers[reader], name, layer, task)
             if fused is None:
                 continue
-            layers[reader] = retargeted(layer, task, fused, reader, _own_annotations(layer))
-            deps[reader] = deps.pop(name)
+            fused_layer = retargeted(layer, task, fused, reader, _own_annotations(layer))
+            if fused.store is not None and task.store is None:  # its target: one more argument
+                fused_layer = with_argument(fused_layer, _store_target(layers[reader])[1])
+                if fused_layer is None:  # pragma: no cover - another Dask
+                    continue
+            layers[reader] = fused_layer
+            deps[reader] = deps.pop(name) | (deps[reader] - {name})  # (a store's target)
             del layers[name]
             changed = True
             break  # the readers changed: look again
@@ -403,7 +426,7 @@ def explain(*collections: Any) -> str:
             continue
         steps = task.func.names if isinstance(task.func, Program) else [funcname(task.func)]
         if task.store is not None:
-            steps = [*steps, f"store into {type(task.store.target).__name__}"]
+            steps = [*steps, "store"]
         n = int(np.prod([layer.dims[i] for i in layer.output_indices]))
         what = " -> ".join(steps)
         how = f" (fused: {len(steps)} steps, one copy in and one out)" if len(steps) > 1 else ""

@@ -56,12 +56,14 @@ def block_index(chunks: tuple[tuple | None, ...], block_id: tuple[int, ...]) -> 
 
 
 class Store:
-    """What ``load_store_chunk`` was given besides the block (see the module docstring)."""
+    """What ``load_store_chunk`` was given besides the block and the target (which the
+    partition task gets as its last argument, as Dask gave it to ``load_store_chunk``:
+    a target in the graph is not copied into every task); see the module docstring."""
 
-    __slots__ = ("load_stored", "lock", "region", "return_stored", "target")
+    __slots__ = ("load_stored", "lock", "region", "return_stored")
 
-    def __init__(self, target: Any, region: Any, lock: Any, return_stored: bool, load_stored: bool):
-        self.target, self.region, self.lock = target, region, lock
+    def __init__(self, region: Any, lock: Any, return_stored: bool, load_stored: bool):
+        self.region, self.lock = region, lock
         self.return_stored, self.load_stored = return_stored, load_stored
 
     def index(self, chunks: tuple[tuple | None, ...] | None, block_id: tuple) -> tuple | None:
@@ -73,10 +75,9 @@ class Store:
             index = fuse_slice(self.region, index)
         return index
 
-    def into(self, index: tuple | None) -> np.ndarray | None:
-        """The target's region at ``index`` as an array the partition can fill, or
+    def into(self, target: Any, index: tuple | None) -> np.ndarray | None:
+        """``target``'s region at ``index`` as an array the partition can fill, or
         ``None`` where the result must be written in by ``load_store_chunk``."""
-        target = self.target
         if index is None or not isinstance(target, np.ndarray):
             return None
         if not all(isinstance(s, slice) and s.step in (None, 1) for s in index):
@@ -86,13 +87,13 @@ class Store:
             return None
         return view
 
-    def finish(self, result: Any, into: np.ndarray | None, index: tuple) -> Any:
-        """What Dask's ``load_store_chunk`` returns, after writing ``result`` into the
-        target unless it was written in place (``result is into``)."""
+    def finish(self, result: Any, target: Any, into: np.ndarray | None, index: tuple) -> Any:
+        """What Dask's ``load_store_chunk`` returns, after writing ``result`` into
+        ``target`` unless it was written in place (``result is into``)."""
         written = into is not None and result is into
         return load_store_chunk(
             None if written else result,
-            self.target,
+            target,
             index,
             None,  # (the region is in index already)
             False if written else self.lock,

@@ -150,8 +150,9 @@ class PartitionTask:
         return task
 
     def stored(self, store: Store, name: str) -> PartitionTask:
-        """A copy of this task that writes each partition's result into ``store``'s
-        target (Dask's ``load_store_chunk`` after it, fused), its keys named ``name``."""
+        """A copy of this task that writes each partition's result as ``store`` says into
+        the target it gets as its last argument (Dask's ``load_store_chunk`` after it,
+        fused), its keys named ``name``."""
         task = copy.copy(self)
         task.store, task.key_name = store, name
         if task.out_mode == "pinned":  # the result lives in the target, not in the pool
@@ -170,7 +171,7 @@ class PartitionTask:
             self.in_flight,
             self.out_mode,
             self.batch,
-            None if self.store is None else type(self.store.target).__name__,
+            self.store is not None,
         )
 
     def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
@@ -179,10 +180,11 @@ class PartitionTask:
         out_shape = into = index = None
         if self.out_chunks is not None and block_id is not None:
             out_shape = block_shape(self.out_chunks, block_id)
-        store = self.store
-        if store is not None:
+        store, target = self.store, None
+        if store is not None:  # its target is the last argument (see .store)
+            *args, target = args
             index = store.index(self.out_chunks, block_id or ())
-            into = store.into(index)
+            into = store.into(target, index)
         # In the fields' order, not by keyword: twelve keywords cost a dataclass's
         # __init__ more than the rest of the spec does, and this runs per partition.
         spec = PartitionSpec(
@@ -202,7 +204,7 @@ class PartitionTask:
             into,
         )
         result = run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
-        return result if store is None else store.finish(result, into, index)
+        return result if store is None else store.finish(result, target, into, index)
 
     def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
         return self._run(args, block_id, None, kwargs)
