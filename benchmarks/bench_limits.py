@@ -37,12 +37,13 @@ and the rows they write:
 
 The bound of a row is its slowest stage at rates measured in this run
 (``common.bound_seconds``: both ways at once on the GPU, the kernel's own time, the host's
-copies). Every row has ``gbps``, ``reference_gbps`` and ``reference`` (what it is) or
-``bound_gbps`` and ``bound_stage``, ``ratio`` (``gbps`` over either) and ``correct``; the
-result has ``device``. ``--record`` writes ``benchmarks/results/limits.json`` and a line of
-``history.jsonl``.
+copies; ``stages_gbps`` gives each stage's). Every row has ``gbps``, ``reference_gbps``
+and ``reference`` (what it is) or ``bound_gbps`` and ``bound_stage``, ``ratio`` (``gbps``
+over either) and ``correct``; the result has ``device``. ``--record`` writes
+``benchmarks/results/limits.json`` and a line of ``history.jsonl``.
 
-Example (the H200: about 4 minutes at these defaults; a smoke test on the CPU)::
+The defaults are chosen to fit ``ci/gpu.sh limits`` (540 s) on an H200; ``case_seconds``
+says what each case took. Example (the GPU; a smoke test on the CPU)::
 
     python3 benchmarks/bench_limits.py --record
     python3 benchmarks/bench_limits.py --backend host --size 16MiB --partition 4MiB \\
@@ -172,8 +173,9 @@ def case_default(args: argparse.Namespace) -> dict[str, dict]:
         del got
     extra: dict[str, Any] = {"naive_gbps": host.nbytes / naive_s / GB}
     if rt.name == "cuda":
-        in_flights, threads = (comma_list(a, int) for a in (args.hand_in_flight, args.hand_threads))
-        hand = handwritten_runs(host, func, ref, in_flights, threads, args.repeat)
+        hand = handwritten_runs(
+            host, func, ref, args.hand_in_flight, args.hand_threads, args.repeat
+        )
         top = max(hand, key=lambda h: h["gbps"])
         base = top["gbps"]
         what = f"hand-written pipeline, {top['in_flight']} in flight, {top['threads']} threads"
@@ -525,11 +527,17 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     if args.repeat < 1:
         p.error(f"--repeat: expected an integer of at least 1, got {args.repeat}")
     args.cases = [c for c in CASES if c in cases]
-    for name in ("threads", "small_threads"):
+    for name in ("size", "partition"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}: expected a byte count of at least 1, got {getattr(args, name)}")
+    for name in ("threads", "small_threads", "hand_in_flight", "hand_threads"):
+        flag, text = f"--{name.replace('_', '-')}", getattr(args, name)
         try:
-            setattr(args, name, comma_list(getattr(args, name), positive))
+            setattr(args, name, comma_list(text, positive))
         except argparse.ArgumentTypeError as e:
-            p.error(f"--{name.replace('_', '-')}: {e}")
+            p.error(f"{flag}: {e}")
+        if not getattr(args, name):
+            p.error(f"{flag}: expected a comma list of integers of at least 1, got {text!r}")
     args.backend = resolve_backend(args.backend)
     return args
 
@@ -542,8 +550,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in args.cases:
             print(f"== {name}", flush=True)
             t0 = time.perf_counter()
-            rows.update(CASES[name](args))
+            done = CASES[name](args)
             case_seconds[name] = time.perf_counter() - t0
+            for row_name, row in done.items():  # as it comes: a run cut short still says it
+                print(row_line(row_name, row), flush=True)
+            rows.update(done)
         dask_overlap.close_runtimes()
     if "default_split" in rows:
         for name in ("demo", "gaussian3d"):
@@ -568,22 +579,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def report(result: dict[str, Any]) -> None:
     """Every row on a line: GB/s, what it is set against, the ratio, the check."""
     print(f"\n{result['device']} ({result['backend']}): {format_bytes(result['size_bytes'])}")
-    width = max(map(len, result["rows"]), default=0)
     for name, r in result["rows"].items():
-        against = (
-            f"bound {r['bound_gbps']:7.2f} ({r['bound_stage']})"
-            if "bound_gbps" in r
-            else f"reference {r['reference_gbps']:7.2f}"
-        )
-        print(
-            f"  {name:<{width}} {r['gbps']:7.2f} GB/s  {against:<30} ratio {r['ratio']:.3f}  "
-            f"correct={r['correct']}"
-        )
+        print(row_line(name, r))
     total = sum(result["case_seconds"].values())
     print(
         f"  ({total:.0f} s: "
         + ", ".join(f"{k} {v:.0f}" for k, v in result["case_seconds"].items())
         + ")"
+    )
+
+
+def row_line(name: str, r: dict[str, Any]) -> str:
+    """A row for people: GB/s, what it is set against, the ratio, the check."""
+    against = (
+        f"bound {r['bound_gbps']:7.2f} ({r['bound_stage']})"
+        if "bound_gbps" in r
+        else f"reference {r['reference_gbps']:7.2f}"
+    )
+    return (
+        f"  {name:<20} {r['gbps']:7.2f} GB/s  {against:<30} ratio {r['ratio']:.3f}  "
+        f"correct={r['correct']}"
     )
 
 

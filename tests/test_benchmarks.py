@@ -261,6 +261,8 @@ def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
         (["--small", "16MiB"], "expected PARTITION=SIZE pairs such as 16MiB=2GiB, got '16MiB'"),
         (["--pinned-repeat", "0"], "expected an integer of at least 1, got '0'"),
         (["--small-threads", "4,x"], "--small-threads: expected an integer of at least 1"),
+        (["--hand-threads", ""], "--hand-threads: expected a comma list of integers of at"),
+        (["--size", "0B"], "--size: expected a byte count of at least 1, got 0"),
     ],
 )
 def test_bench_limits_refuses_bad_arguments_before_any_work(argv, words):
