@@ -4,7 +4,8 @@ bound or its reference.
 One process, float32 input made by the benchmark, every figure GB/s of input until every
 output chunk exists (``persist``; on the cluster ``distributed.wait``), each case warmed up
 just before it is timed, every result compared element by element with plain Dask's (the
-naive Dask + CuPy path, the same function on NumPy blocks on the host backend). The
+naive Dask + CuPy path, the same function on NumPy blocks on the host backend; the demo's
+as the demo checks it, to an ulp on the GPU). The
 runtime is built from a case's settings (the pinned pool's size, where results stay in
 it) and built again when the next case's differ. The cases (``--cases`` runs a subset)
 and the rows they write:
@@ -22,7 +23,8 @@ and the rows they write:
   the default path's elementwise figure on the same blocks (the balanced kernel, no
   split); also the filter alone on one block resident on the device;
 - ``demo``: the demo's run (``python -m dask_overlap demo``): a ``LocalGPUCluster`` with
-  its defaults, input made on the workers, the demo's kernel with ``split_axis=0``,
+  its defaults, input made on the workers in ``--partition`` chunks (the demo's own at
+  4 GiB: a sixteenth), the demo's kernel with ``split_axis=0``, each best of ``--repeat``,
   against the same partitions on the default path in this process (Dask's threaded
   scheduler); ``over_default_split`` beside it when ``default`` ran too;
 - ``small`` (rows ``small_<partition>_<out>``): as ``ci/gpu.sh small`` does: the balanced
@@ -42,7 +44,7 @@ and ``reference`` (what it is) or ``bound_gbps`` and ``bound_stage``, ``ratio`` 
 over either) and ``correct``; the result has ``device``. ``--record`` writes
 ``benchmarks/results/limits.json`` and a line of ``history.jsonl``.
 
-The defaults are chosen to fit ``ci/gpu.sh limits`` (540 s) on an H200; ``case_seconds``
+The defaults are meant to fit ``ci/gpu.sh limits`` (540 s) on an H200; ``case_seconds``
 says what each case took. Example (the GPU; a smoke test on the CPU)::
 
     python3 benchmarks/bench_limits.py --record
