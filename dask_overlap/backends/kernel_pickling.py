@@ -12,7 +12,15 @@ original, and give the original back on unpickling.
 ``dask_overlap.map_blocks`` calls it where CuPy is imported, and so does the cuda backend.
 (A pickler of the partition task's own, scoping this to dask_overlap's tasks, was tried:
 on the H200 the ``__main__`` kernel trap came back, and a shallow copy of a task went
-through pickling; the process-wide entry stays until that is understood.)
+through pickling; the process-wide entry stays until that is understood.) Where the copy
+comes from on the client, found since: Dask's ``tokenize`` of a ``__main__`` function
+(``dask.tokenize._normalize_pickle``) pickles it by value and *loads* it again, up to three
+times, to check that its pickle is deterministic. ``map_blocks`` tokenizes ``func`` (for
+the output's name; ``PartitionTask.__dask_tokenize__`` too), outside any pickler of the
+task's own: a scoped guard must cover those calls, a ``copy.copy`` of the task must not go
+through the pickler (an explicit ``__copy__``), and an in-process cluster
+(``processes=False``) unpickles what the client pickled, so the task's own pickling must
+keep the kernels as references too.
 
 Seen on the H200 (CuPy 14.2, Dask 2026.8): ElementwiseKernel fails so; ReductionKernel and
 RawKernel closed over the same way work (RawKernel pickles its source and recompiles), so
