@@ -11,7 +11,7 @@ batches (:mod:`.batch`), and the layer Dask built is rewritten once
 
 from __future__ import annotations
 
-import sys
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,7 +21,7 @@ from dask.array.utils import compute_meta
 from dask.base import is_dask_collection
 from dask.utils import funcname, has_keyword
 
-from ..backends import resolve_backend
+from ..backends import kernels_kept, resolve_backend
 from ..config import Options
 from ..pipeline.task import PartitionTask, PartitionTaskWithInfo
 from .batch import auto_batch, joined, split_arrays, unbatched, worker_budget
@@ -53,17 +53,6 @@ def _out_axis(ndim: int, axis: int, drop_axis: list[int], new_axis: list[int], c
     for j, ax in enumerate(sorted(new_axis)):
         labels.insert(ax, -1 - j)
     return labels.index(ndim - 1 - axis)
-
-
-def _guard_gpu_kernels() -> None:
-    """Before Dask pickles ``func``: CuPy kernels it closes over must not be copied in-process
-    (see :mod:`dask_overlap.backends.kernel_pickling`). Only when CuPy is already
-    imported, so CPU-only use never imports it."""
-    if "cupy" not in sys.modules:
-        return
-    from ..backends.kernel_pickling import guard_kernel_pickling
-
-    guard_kernel_pickling()
 
 
 def _inferred_dtype_and_meta(
@@ -169,6 +158,20 @@ def _auto_batch(
     return batch
 
 
+def _keeping_kernels(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with CuPy kernels pickled as references to themselves: Dask's ``tokenize``
+    of ``func`` pickles it and loads the copy (see
+    :mod:`dask_overlap.backends.kernel_pickling`)."""
+
+    @functools.wraps(fn)
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        with kernels_kept():
+            return fn(*args, **kwargs)
+
+    return keeping
+
+
+@_keeping_kernels
 def map_blocks(
     func: Callable[..., Any],
     *arrays: Any,
@@ -265,7 +268,6 @@ def map_blocks(
     check_func(func)
     check_out_mode(out)
     opts = Options.from_config(sub_chunk_bytes=sub_chunk_bytes, in_flight=in_flight)
-    _guard_gpu_kernels()
     positions = array_positions(arrays, chunks)
     check_inputs(arrays, positions, enforce_ndim, meta)
     ndim = max((arrays[i].ndim for i in positions), default=0)

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 import numpy as np
 from dask.base import tokenize
 from dask.utils import funcname
 
+from ..backends import kernels_kept
 from .current import get_runtime
 from .partition import PartitionSpec, run_partition
 from .program import Program
@@ -159,10 +163,28 @@ class PartitionTask:
             task.out_mode = "host"
         return task
 
+    def __copy__(self) -> PartitionTask:
+        # Not through __reduce_ex__ below: a copy shares func as it is.
+        task = type(self).__new__(type(self))
+        task.__dict__.update(self.__dict__)
+        return task
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # func may close over a CuPy kernel that a copy unpickled in this process would
+        # break (an in-process cluster unpickles what the client pickled): the task's
+        # state is pickled with kernels as references (see
+        # dask_overlap.backends.kernel_pickling); as any object where there is no CuPy.
+        if "cupy" not in sys.modules:
+            return super().__reduce_ex__(protocol)
+        with kernels_kept():
+            return _task_from_state, (type(self), cloudpickle.dumps(self.__dict__))
+
     def __dask_tokenize__(self) -> Any:
+        with kernels_kept():  # (tokenize loads what it pickles: see __reduce_ex__)
+            func = tokenize(self.func)
         return (
             type(self).__name__,
-            tokenize(self.func),
+            func,
             self.backend,
             self.array_positions,
             self.split_axis,
@@ -208,6 +230,13 @@ class PartitionTask:
 
     def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
         return self._run(args, block_id, None, kwargs)
+
+
+def _task_from_state(cls: type[PartitionTask], state: bytes) -> PartitionTask:
+    """A partition task from :meth:`PartitionTask.__reduce_ex__`'s pickled state."""
+    task = cls.__new__(cls)
+    task.__dict__.update(pickle.loads(state))
+    return task
 
 
 def _one_each(axis: tuple | None) -> tuple | None:
