@@ -1,0 +1,158 @@
+"""Dask's own ``map_blocks`` tests, run with ``map_blocks`` routed to ``dask_overlap.map_blocks``.
+
+Every test function of the installed Dask's array tests whose name contains ``map_blocks``
+(found in the test modules' source, so a test Dask adds is run too) runs here with
+``dask.array.map_blocks``, ``dask.array.core.map_blocks``, ``dask.array.overlap.map_blocks``
+(``map_overlap`` with ``depth=0`` calls it) and ``Array.map_blocks`` routed to
+``dask_overlap.map_blocks``. Each must make at least one call through the route, so a
+test that bypasses it fails rather than passing on Dask's code.
+
+Expected failures are only the deliberate differences, in :data:`DIFFERENCES`, each
+``xfail(strict=True)`` with the reason and the exception it must raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import dask.array as da
+import dask.array.core
+import dask.array.overlap
+import numpy as np
+import pytest
+
+import dask_overlap
+from dask_overlap.graph.rewrite import PARTITION_ANNOTATION
+
+# The array test modules of Dask 2026.8 that hold map_blocks tests (test_sparse needs the
+# ``sparse`` package; where it is missing its test is reported as skipped, saying so).
+DASK_MODULES = ("test_array_core", "test_map_blocks", "test_overlap", "test_sparse")
+
+# Deliberate differences: (module, test) -> (exception, reason).
+DIFFERENCES: dict[tuple[str, str], tuple[type[Exception], str]] = {
+    ("test_array_core", "test_map_blocks_block_info_with_new_axis"): (
+        TypeError,
+        "string dtypes are rejected on purpose: a device array cannot hold them "
+        "(the input is np.array(['a', 'a', 'b', 'c']))",
+    ),
+}
+
+# The modules whose ``map_blocks`` name is Dask's function; Array.map_blocks is patched too.
+ROUTED_MODULES = (da, dask.array.core, dask.array.overlap)
+
+
+@contextlib.contextmanager
+def routed() -> Iterator[list[str]]:
+    """Dask's ``map_blocks`` names all lead to ``dask_overlap.map_blocks`` inside; yields
+    the names of the functions mapped through the route, one per call."""
+    calls: list[str] = []
+
+    def map_blocks(func: Callable, *args, **kwargs) -> da.Array:
+        calls.append(getattr(func, "__name__", type(func).__name__))
+        return dask_overlap.map_blocks(func, *args, **kwargs)
+
+    def method(self: da.Array, func: Callable, *args, **kwargs) -> da.Array:
+        return map_blocks(func, self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module in ROUTED_MODULES:
+            mp.setattr(module, "map_blocks", map_blocks)
+        mp.setattr(da.Array, "map_blocks", method)
+        yield calls
+
+
+def _dask_test_names(module: str) -> list[str]:
+    """The ``map_blocks`` test functions defined in Dask's module, read from its source."""
+    spec = importlib.util.find_spec(f"dask.array.tests.{module}")
+    source = Path(spec.origin).read_text()
+    return re.findall(r"^def (test\w*map_blocks\w*)\(", source, flags=re.M)
+
+
+def _routed_test(module: str, test: Callable) -> Callable:
+    """``test`` run inside :func:`routed`, failing if it made no call through the route;
+    Dask's parametrization and marks are kept (``functools.wraps`` copies them)."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        with routed() as calls:
+            test(*args, **kwargs)
+        assert calls, f"{module}.{test.__name__} never called map_blocks through the route"
+
+    difference = DIFFERENCES.get((module, test.__name__))
+    if difference is not None:
+        raises, reason = difference
+        run = pytest.mark.xfail(strict=True, raises=raises, reason=reason)(run)
+    return run
+
+
+def _our_name(module: str, name: str) -> str:
+    """``test_array_core.test_map_blocks2`` runs here as ``test_array_core__map_blocks2``."""
+    return f"test_{module.removeprefix('test_')}__{name.removeprefix('test_')}"
+
+
+def _skipped(module: str, why: str) -> Callable:
+    def skipped() -> None:
+        pytest.skip(f"{module} skipped on import: {why}")
+
+    return skipped
+
+
+def _collect() -> dict[str, Callable]:
+    """One routed test per Dask test, named as :func:`_our_name` says; a module that cannot
+    be imported here gives one skipped test per test it holds, with the reason."""
+    tests: dict[str, Callable] = {}
+    for module in DASK_MODULES:
+        names = _dask_test_names(module)
+        try:
+            with warnings.catch_warnings():
+                # test_overlap marks itself with a mark Dask's own pytest config
+                # registers; module marks do not reach the routed tests.
+                warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+                mod = importlib.import_module(f"dask.array.tests.{module}")
+        except pytest.skip.Exception as e:
+            for name in names:
+                tests[_our_name(module, name)] = _skipped(f"dask.array.tests.{module}", e.msg)
+            continue
+        for name in names:
+            tests[_our_name(module, name)] = _routed_test(module, getattr(mod, name))
+    return tests
+
+
+ROUTED_TESTS = _collect()
+globals().update(ROUTED_TESTS)
+
+
+def test_every_dask_map_blocks_test_is_routed():
+    """All of Dask's, as many as its source holds; the deliberate differences are among them."""
+    expected = {_our_name(m, n) for m in DASK_MODULES for n in _dask_test_names(m)}
+    assert set(ROUTED_TESTS) == expected
+    assert len(expected) >= 30  # Dask 2026.8: 29 in test_array_core, one in each other
+    for module, name in DIFFERENCES:
+        assert _our_name(module, name) in expected
+
+
+def test_the_route_reaches_dask_overlap_and_is_undone():
+    x = da.arange(12, chunks=4)
+    with routed() as calls:
+        via_function = da.map_blocks(np.negative, x)
+        via_core = dask.array.core.map_blocks(np.negative, x)
+        via_method = x.map_blocks(np.negative)
+        via_overlap = x.map_overlap(np.negative, depth=0, boundary="none")
+    assert calls == ["negative"] * 4
+    for y in (via_function, via_core, via_method, via_overlap):
+        assert _is_partition_layer(y)
+        np.testing.assert_array_equal(y.compute(), -np.arange(12))
+    assert da.map_blocks is dask.array.core.map_blocks is dask.array.overlap.map_blocks
+    assert inspect.getmodule(da.map_blocks) is dask.array.core
+    assert not _is_partition_layer(x.map_blocks(np.negative))
+
+
+def _is_partition_layer(y: da.Array) -> bool:
+    return PARTITION_ANNOTATION in (y.dask.layers[y.name].annotations or {})
