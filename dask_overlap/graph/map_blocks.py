@@ -42,7 +42,7 @@ from .checks import (
     check_split_axis,
 )
 from .fusion import install as install_fusion
-from .infer import infer_dtype
+from .infer import infer_dtype, refuse_meta
 from .rewrite import partition_layer
 
 __all__ = ["map_blocks"]
@@ -83,6 +83,7 @@ def _inferred_dtype_and_meta(
         meta = compute_meta(func, dtype, *arrays, **kwargs)
     except Exception:
         meta = None
+    refuse_meta(meta, f"{funcname(func)}'s output on empty NumPy blocks (Dask's meta)")
     if dtype is None:
         if any(is_dask_collection(a) and not isinstance(a, da.Array) for a in arrays):
             # Dask infers ``object`` here (func runs on the delayed object itself),
