@@ -7,7 +7,8 @@ Every test function of the installed Dask's array tests whose name contains ``ma
 ``dask_overlap.map_blocks``. Each must make at least one call through the route, so a
 test that bypasses it fails rather than passing on Dask's code.
 
-Each runs once on the host backend and once on the timed one (a device modelled on the CPU).
+Each runs on the host backend, the timed one (a device modelled on the CPU) and, marked
+``gpu``, the cuda one.
 
 Expected failures are the deliberate differences, in :data:`DIFFERENCES`, and the tests
 that wait on fusion work not done yet, in :data:`NOT_YET`; each ``xfail(strict=True)`` with
@@ -166,9 +167,9 @@ ROUTED_TESTS = _collect()
 globals().update(ROUTED_TESTS)
 
 
-@pytest.fixture(autouse=True, params=["host", "timed"])
+@pytest.fixture(autouse=True, params=["host", "timed", pytest.param("cuda", marks=pytest.mark.gpu)])
 def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test here on the host backend and on the timed one."""
+    """Every test here on the host backend, the timed one and (``gpu``) the cuda one."""
     with dask.config.set({"overlap.backend": request.param}):
         yield request.param
 
