@@ -76,8 +76,8 @@ def array_positions(arrays: Sequence[Any], chunks: Any) -> tuple[int, ...]:
 def check_inputs(
     arrays: Sequence[Any], positions: tuple[int, ...], enforce_ndim: Any, meta: Any
 ) -> None:
-    """``enforce_ndim`` is a bool; the arrays' blocks and ``meta`` are plain arrays that a
-    copy keeps whole, of a dtype a device array can hold."""
+    """``enforce_ndim`` is a bool; the arrays' blocks are plain arrays that a copy keeps
+    whole, ``meta`` a NumPy or CuPy array, both of a dtype a device array can hold."""
     if not isinstance(enforce_ndim, bool):
         raise TypeError(f"enforce_ndim must be True or False, got {enforce_ndim!r}")
     refuse_subclasses(arrays, positions)

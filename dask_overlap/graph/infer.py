@@ -5,9 +5,9 @@
   with a ``TypeError`` that names the argument (the rule is the worker's,
   :func:`dask_overlap.pipeline.results.refusal`, which refuses such a block at run time).
 - The output's blocks: a ``meta`` given, or what ``func`` returns on empty blocks where
-  Dask infers one, must be a dense NumPy or CuPy array; a sparse, pandas or masked one
-  (which Dask would map as such) would not survive the copies, so it is refused with a
-  ``TypeError`` that says what it is (:func:`refuse_meta`).
+  Dask infers one, must be a NumPy or CuPy array; a sparse or pandas one (which Dask
+  would map as such) would not survive the copies, so it is refused with a ``TypeError``
+  that says what it is (:func:`refuse_meta`).
 - The output's dtype, when not given: Dask calls ``func`` on tiny NumPy blocks. A ``func``
   written for the GPU may only accept CuPy arrays (any ``cupyx.scipy`` call), so where the
   backend resolves to ``cuda`` in this process a failed NumPy attempt is retried on CuPy
@@ -52,22 +52,22 @@ def _dense(x: Any) -> bool:
 
 
 def refuse_meta(meta: Any, what: str) -> None:
-    """Raise ``TypeError`` where ``meta`` says the output's blocks are arrays dask_overlap
-    cannot return: a masked array or ``np.matrix`` (:func:`refusal`), or an array of
-    another library (sparse, pandas...). ``what`` names it in the message; a ``meta``
-    that is no array at all (``None``, a Python scalar) says nothing and passes.
+    """Raise ``TypeError`` where ``meta`` says the output's blocks are arrays of another
+    library than NumPy or CuPy (sparse, pandas...), which dask_overlap cannot return;
+    ``what`` names it in the message. A ``meta`` that is no array at all (``None``, a
+    Python scalar) says nothing and passes, and so does a NumPy subclass, whose data come
+    back as an ordinary array.
 
     Examples
     --------
-    >>> refuse_meta(np.empty((0, 0)), "meta")
-    >>> refuse_meta(np.ma.masked_array([]), "meta")  # doctest: +ELLIPSIS
+    >>> refuse_meta(np.ma.masked_array([]), "meta")
+    >>> class Frame:
+    ...     shape, dtype = (0,), np.dtype("f8")
+    >>> refuse_meta(Frame(), "meta")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    TypeError: meta is a masked array: dask_overlap copies only data, ...
+    TypeError: meta is a ...Frame, expected a NumPy or CuPy array: ...
     """
-    why = refusal(meta)
-    if why is not None:
-        raise TypeError(f"{what} is {why}")
     if _dense(meta) or not (hasattr(meta, "shape") and hasattr(meta, "dtype")):
         return
     kind = f"{type(meta).__module__}.{type(meta).__qualname__}"
