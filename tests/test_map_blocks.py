@@ -492,6 +492,14 @@ def test_enforce_ndim_has_dasks_meaning(split_axis):
     flat = dask_overlap.map_blocks(np.ravel, x, dtype=float, enforce_ndim=True)
     with pytest.raises(ValueError, match="shape"):
         flat.compute()
+    # As in Dask, True and False name different arrays (Dask wraps func when True).
+    loose = dask_overlap.map_blocks(np.sqrt, x, enforce_ndim=False, split_axis=split_axis)
+    assert ours.name != loose.name
+    assert (
+        ours.name
+        == dask_overlap.map_blocks(np.sqrt, x, enforce_ndim=True, split_axis=split_axis).name
+    )
+    np.testing.assert_array_equal(loose.compute(), theirs.compute())
 
 
 # -- realistic workloads, against Dask's own map_blocks (#13) -----------------------------

@@ -79,10 +79,14 @@ class PartitionTask:
         func_block_info: bool,
         out_mode: str = "host",
         batch: int = 1,
+        enforce_ndim: bool = False,
     ):
         self.func = func
         self.out_mode = out_mode  # one of OUT_MODES: where each output block is left
         self.batch = batch  # blocks along split_axis a partition joins (for errors)
+        # Dask's enforce_ndim as the call gave it. Every partition checks its output's shape
+        # either way; it is in the token so that the array's name differs as Dask's does.
+        self.enforce_ndim = enforce_ndim
         self.backend = backend
         self.array_positions = array_positions
         self.ndim = ndim
@@ -185,6 +189,7 @@ class PartitionTask:
         return (
             type(self).__name__,
             func,
+            self.enforce_ndim,
             self.backend,
             self.array_positions,
             self.split_axis,
