@@ -1,0 +1,221 @@
+"""Halos on the worker: a block with its neighbours' edge slabs, and a ``func`` that trims.
+
+``dask_overlap.map_overlap`` (:mod:`dask_overlap.graph.map_overlap`) hands each partition
+a :class:`HaloBlock` per array: its core block and the edge slabs of its neighbours
+(views of their blocks, made by Dask as slices), with a :class:`HaloSpec` that says where
+each lies in the padded block and which sides are made on the device (the external
+boundary: ``reflect``, ``nearest``, a constant). No padded block is ever built on the
+host outside the pipeline: the input (:class:`~.inputs.HaloInput`) copies core and slabs
+into one buffer (the staging copy into the pinned ring, or one copy each into the device
+buffer), and :func:`fill` makes the boundary there. :class:`HaloFunc` runs the user's
+``func`` and trims its result on the device, so only the core is copied back.
+
+The padded block of dask's ``map_overlap`` is, on every axis, ``boundaries`` (applied
+axis after axis) then the neighbours' slabs; padding along one axis spans the other axes'
+halos, so the corners come out as Dask's do when the fills run in axis order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from dask.utils import funcname
+
+__all__ = ["HALO_KWARG", "HaloBlock", "HaloFunc", "HaloSpec", "fill", "halo_block", "regions"]
+
+#: The keyword through which the runner tells :class:`HaloFunc` each array argument's
+#: margins in the block it was given (they differ per sub-chunk at the array's edges).
+HALO_KWARG = "_overlap_margins"
+
+#: A side of an axis: the start (0) or the end (1).
+LO, HI = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloSpec:
+    """Where a block's pieces lie in its padded block (picklable, made on the client).
+
+    ``depth``: per axis, the halo asked for, ``(before, after)``; ``margins``: what this
+    block gets (0 on a side with no neighbour and boundary ``none``); ``offsets``: per
+    slab, its neighbour's offset (-1, 0 or 1 per axis); ``fills``: ``(axis, side, kind,
+    value)`` made on the device, in axis order (``kind``: ``reflect``, ``nearest`` or
+    ``constant``).
+    """
+
+    depth: tuple[tuple[int, int], ...]
+    margins: tuple[tuple[int, int], ...]
+    offsets: tuple[tuple[int, ...], ...]
+    fills: tuple[tuple[int, int, str, Any], ...]
+
+
+class HaloBlock:
+    """A core block and its neighbours' edge slabs, as one partition receives them.
+
+    Shape, size and bytes are the core's: the partition's sub-chunks are cut along the
+    core's rows; each sub-chunk's read window is its rows widened by the depth."""
+
+    __slots__ = ("core", "slabs", "spec")
+
+    def __init__(self, spec: HaloSpec, core: Any, slabs: tuple[Any, ...]):
+        self.spec, self.core, self.slabs = spec, core, tuple(slabs)
+
+    def __reduce__(self) -> tuple:
+        return HaloBlock, (self.spec, self.core, self.slabs)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.core.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.core.ndim
+
+    @property
+    def size(self) -> int:
+        return self.core.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.core.nbytes
+
+    @property
+    def dtype(self) -> Any:
+        return self.core.dtype
+
+    def rows_needed(self, axis: int) -> int:
+        """The fewest rows a sub-chunk cut along ``axis`` may have: a reflected boundary
+        reads as many rows as the depth, inside the sub-chunk's window."""
+        return max(1, *self.spec.depth[axis])
+
+    def __repr__(self) -> str:
+        return f"HaloBlock(core={self.shape}, slabs={len(self.slabs)}, {self.spec.margins})"
+
+
+def halo_block(spec: HaloSpec, core: Any, *slabs: Any) -> HaloBlock:
+    """The graph's task for one block (Dask gives it the core and the slabs' views)."""
+    return HaloBlock(spec, core, slabs)
+
+
+def regions(spec: HaloSpec, core_shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
+    """Where the core (first) and each slab lie in the padded block."""
+
+    def region(offset: tuple[int, ...]) -> tuple[slice, ...]:
+        out = []
+        for o, (lo, _), n in zip(offset, spec.margins, core_shape, strict=True):
+            out.append(
+                slice(0, lo) if o < 0 else slice(lo, lo + n) if o == 0 else slice(lo + n, None)
+            )
+        return tuple(out)
+
+    return [region((0,) * len(core_shape))] + [region(o) for o in spec.offsets]
+
+
+def padded_shape(margins: tuple[tuple[int, int], ...], core_shape: tuple[int, ...]) -> tuple:
+    return tuple(lo + n + hi for (lo, hi), n in zip(margins, core_shape, strict=True))
+
+
+def _along(axis: int, index: slice) -> tuple[slice, ...]:
+    return (slice(None),) * axis + (index,)
+
+
+def fill(buf: Any, fills: tuple, margins: tuple[tuple[int, int], ...]) -> None:
+    """Make the external boundary in ``buf`` (NumPy or CuPy: slicing only, so on CuPy a
+    kernel on the current stream), each side from rows already in ``buf``, in axis order
+    (a later axis's padding spans the earlier ones', as Dask's ``boundaries`` does)."""
+    for axis, side, kind, value in fills:
+        lo, hi = margins[axis]
+        n = buf.shape[axis]
+        if side == LO:
+            dst, width = slice(0, lo), lo
+            src = slice(lo, 2 * lo) if kind == "reflect" else slice(lo, lo + 1)
+        else:
+            dst, width = slice(n - hi, n), hi
+            src = slice(n - 2 * hi, n - hi) if kind == "reflect" else slice(n - hi - 1, n - hi)
+        if not width:
+            continue
+        target = _along(axis, dst)
+        if kind == "constant":
+            buf[target] = value
+        elif kind == "reflect":
+            buf[target] = buf[_along(axis, src)][_along(axis, slice(None, None, -1))]
+        else:  # nearest: the edge row, repeated (broadcast)
+            buf[target] = buf[_along(axis, src)]
+
+
+class HaloFunc:
+    """The user's ``func`` on a padded block, its result trimmed to the core.
+
+    Parameters
+    ----------
+    func
+        The user's function.
+    trim
+        Whether to trim (``map_overlap``'s ``trim``).
+    ref
+        Which array argument's margins the output is trimmed by (Dask's rule: the one of
+        highest rank, the first of those).
+    out_axes
+        For each output axis, the axis of that array it stands for (``None``: a new axis,
+        not trimmed).
+    """
+
+    def __init__(
+        self, func: Callable[..., Any], trim: bool, ref: int, out_axes: tuple[int | None, ...]
+    ):
+        self.func, self.trim, self.ref, self.out_axes = func, trim, ref, tuple(out_axes)
+        self.__name__ = funcname(func)
+
+    @property
+    def __signature__(self) -> Any:
+        # What ``has_keyword`` reads: the user's func's (block_id, block_info).
+        import inspect
+
+        return inspect.signature(self.func)
+
+    def __reduce__(self) -> tuple:
+        return HaloFunc, (self.func, self.trim, self.ref, self.out_axes)
+
+    def __dask_tokenize__(self) -> Any:
+        from dask.base import tokenize
+
+        return ("HaloFunc", tokenize(self.func), self.trim, self.ref, self.out_axes)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        margins = kwargs.pop(HALO_KWARG, None)
+        result = self.func(*args, **kwargs)
+        if not self.trim or margins is None:
+            return result  # (also Dask's meta inference, on empty blocks)
+        return self.trimmed(result, margins[self.ref], args)
+
+    def trimmed(self, result: Any, margins: tuple[tuple[int, int], ...], args: tuple) -> Any:
+        """``result`` less the margins of the reference array, on the output's axes; a
+        ``func`` that did not keep the padded extents there is refused (the trim would cut
+        the wrong rows), with an error that names ``trim``."""
+        shape = getattr(result, "shape", None)
+        given = tuple(args[self.ref].shape)
+        if shape is None or len(shape) != len(self.out_axes):
+            raise ValueError(
+                f"trim=True requires {self.__name__} to return an array of "
+                f"{len(self.out_axes)} dimensions (those of the block it is given, less "
+                f"dropped and plus new axes); it was given a block of shape {given} and "
+                f"returned {_shape_of(result)}. Pass trim=False if func trims its result itself"
+            )
+        index = []
+        for o, ax in enumerate(self.out_axes):
+            lo, hi = (0, 0) if ax is None else margins[ax]
+            if lo + hi and shape[o] != given[ax]:
+                raise ValueError(
+                    f"trim=True requires {self.__name__} to keep the shape of the block it is "
+                    f"given along the overlapped axes: it was given a block of shape {given} "
+                    f"and returned shape {tuple(shape)}. Pass trim=False if func trims its "
+                    "result itself"
+                )
+            index.append(slice(lo, shape[o] - hi))
+        return result[tuple(index)]
+
+
+def _shape_of(x: Any) -> str:
+    shape = getattr(x, "shape", None)
+    return f"shape {tuple(shape)}" if shape is not None else type(x).__name__
