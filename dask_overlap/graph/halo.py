@@ -49,10 +49,12 @@ def _side(i: int, n: int, side: int, width: int, boundary: Any) -> tuple[int, An
 
 
 def block_spec(
-    idx: tuple[int, ...], numblocks: tuple[int, ...], depth: dict, boundary: dict
+    idx: tuple[int, ...], chunks: tuple[tuple[int, ...], ...], depth: dict, boundary: dict
 ) -> tuple[HaloSpec, list[tuple[tuple[int, ...], tuple[slice, ...]]]]:
-    """Block ``idx``'s :class:`HaloSpec`, and each slab's source block and slice."""
+    """Block ``idx``'s :class:`HaloSpec`, and each piece's source block and slice (the
+    core first: the offsets' product starts with no offset at all)."""
     ndim = len(idx)
+    numblocks = tuple(map(len, chunks))
     margins, sources, fills = [], [], []
     for a in range(ndim):
         width = sides(depth[a])
@@ -70,27 +72,29 @@ def block_spec(
         if margins[a][1]:
             options.append(1)
         choices.append(options)
-    offsets, slabs = [], []
+    core = tuple(chunks[a][idx[a]] for a in range(ndim))
+    regions, slabs = [], []
     for offset in itertools.product(*choices):
-        if not any(offset):
-            continue  # the core
-        src, index = [], []
+        src, index, region = [], [], []
         for a, o in enumerate(offset):
+            lo, hi = margins[a]
             if o == 0:
                 src.append(idx[a])
                 index.append(slice(None))
+                region.append(slice(lo, lo + core[a]))
                 continue
             origin = sources[a][LO if o < 0 else HI]
             if isinstance(origin, tuple):
                 break  # made on the device: a filled side
             src.append(origin)
-            lo, hi = margins[a]
             index.append(slice(-lo, None) if o < 0 else slice(0, hi))
+            region.append(slice(0, lo) if o < 0 else slice(lo + core[a], lo + core[a] + hi))
         else:
-            offsets.append(offset)
+            regions.append(tuple(region))
             slabs.append((tuple(src), tuple(index)))
+    shape = tuple(lo + n + hi for (lo, hi), n in zip(margins, core, strict=True))
     depth_sides = tuple(sides(depth[a]) for a in range(ndim))
-    spec = HaloSpec(depth_sides, tuple(margins), tuple(offsets), tuple(fills))
+    spec = HaloSpec(depth_sides, tuple(margins), core, shape, tuple(regions), tuple(fills))
     return spec, slabs
 
 
@@ -100,8 +104,8 @@ def halo_array(x: da.Array, depth: dict, boundary: dict) -> da.Array:
     name = "overlap-halo-" + tokenize(x.name, depth, boundary)
     dsk: dict = {}
     for idx in np.ndindex(*x.numblocks):
-        spec, slabs = block_spec(idx, x.numblocks, depth, boundary)
-        views = [(operator.getitem, (x.name, *src), index) for src, index in slabs]
+        spec, pieces = block_spec(idx, x.chunks, depth, boundary)
+        views = [(operator.getitem, (x.name, *src), index) for src, index in pieces[1:]]
         dsk[(name, *idx)] = (halo_block, spec, (x.name, *idx), *views)
     graph = HighLevelGraph.from_collections(name, MaterializedLayer(dsk), dependencies=[x])
     return da.Array(graph, name, x.chunks, meta=x._meta)

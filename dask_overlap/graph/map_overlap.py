@@ -11,6 +11,7 @@ partitions are ``dask_overlap.map_blocks`` partitions, with all of its options.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from numbers import Integral, Number
 from typing import Any
@@ -189,6 +190,23 @@ def _normalised(
     return list(args), depths, bounds
 
 
+def _deprecated_signature(x: da.Array, args: tuple, depth: Any, boundary: Any, trim: Any) -> tuple:
+    """``map_overlap(array, func, depth, boundary, trim)``, as Dask still takes it (with
+    Dask's warning)."""
+    warnings.warn(
+        "The use of map_overlap(array, func, **kwargs) is deprecated since dask 2.17.0 "
+        "and will be an error in a future release. To silence this warning, use the syntax "
+        "map_overlap(func, array0,[ array1, ...,] **kwargs) instead.",
+        FutureWarning,
+        stacklevel=3,
+    )
+    rest = list(args[1:])
+    depth = rest[0] if len(rest) > 0 else depth
+    boundary = rest[1] if len(rest) > 1 else boundary
+    trim = rest[2] if len(rest) > 2 else trim
+    return args[0], (x,), depth, boundary, trim
+
+
 def map_overlap(
     func: Callable[..., Any],
     *args: Any,
@@ -244,6 +262,8 @@ def map_overlap(
     ...                          boundary="none").compute().tolist()
     [0.0, 0.5, 1.0, 0.5, 0.0, -0.5, -1.0, -0.5, 0.0]
     """
+    if isinstance(func, da.Array) and args and callable(args[0]):
+        func, args, depth, boundary, trim = _deprecated_signature(func, args, depth, boundary, trim)
     check_func(func)
     if not isinstance(trim, bool):
         raise TypeError(f"trim must be True or False, got {trim!r}")
@@ -279,6 +299,6 @@ def map_overlap(
             grid = [1 if ax is None else args[ref].numblocks[ax] for ax in out_axes]
             chunks = tuple((c,) * n for c, n in zip(chunks, grid, strict=False))
         kwargs["chunks"] = _trimmed_chunks(chunks, out_axes, depths[ref], bounds[ref])
-    wrapped = HaloFunc(func, trim, ref, out_axes)
+    wrapped = HaloFunc(func, trim, ref, out_axes, free_shape=kwargs.get("chunks") is not None)
     halos = [halo_array(x, d, b) for x, d, b in zip(args, depths, bounds, strict=True)]
     return map_blocks(wrapped, *halos, split_axis=split_axis, batch=1, **kwargs)

@@ -18,12 +18,13 @@ halos, so the corners come out as Dask's do when the fills run in axis order.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 from dask.utils import funcname
 
-__all__ = ["HALO_KWARG", "HaloBlock", "HaloFunc", "HaloSpec", "fill", "halo_block", "regions"]
+__all__ = ["HALO_KWARG", "HaloBlock", "HaloFunc", "HaloSpec", "fill", "halo_block"]
 
 #: The keyword through which the runner tells :class:`HaloFunc` each array argument's
 #: margins in the block it was given (they differ per sub-chunk at the array's edges).
@@ -38,16 +39,34 @@ class HaloSpec:
     """Where a block's pieces lie in its padded block (picklable, made on the client).
 
     ``depth``: per axis, the halo asked for, ``(before, after)``; ``margins``: what this
-    block gets (0 on a side with no neighbour and boundary ``none``); ``offsets``: per
-    slab, its neighbour's offset (-1, 0 or 1 per axis); ``fills``: ``(axis, side, kind,
-    value)`` made on the device, in axis order (``kind``: ``reflect``, ``nearest`` or
-    ``constant``).
+    block gets (0 on a side with no neighbour and boundary ``none``); ``core`` and
+    ``shape``: the core's shape and the padded block's; ``regions``: where each piece
+    (the core first, then each slab) lies in the padded block; ``fills``: ``(axis, side,
+    kind, value)`` made on the device, in axis order (``kind``: ``reflect``, ``nearest``
+    or ``constant``).
     """
 
     depth: tuple[tuple[int, int], ...]
     margins: tuple[tuple[int, int], ...]
-    offsets: tuple[tuple[int, ...], ...]
+    core: tuple[int, ...]
+    shape: tuple[int, ...]
+    regions: tuple[tuple[slice, ...], ...]
     fills: tuple[tuple[int, int, str, Any], ...]
+
+    def joined(self, others: list[HaloSpec], axis: int) -> HaloSpec:
+        """This block's spec with ``others`` after it along ``axis``, which has no halo."""
+        regions, at = list(self.regions), self.core[axis]
+        for o in others:
+            regions += [_shifted(r, axis, at) for r in o.regions]
+            at += o.core[axis]
+        core = (*self.core[:axis], at, *self.core[axis + 1 :])
+        shape = (*self.shape[:axis], at, *self.shape[axis + 1 :])
+        return dataclasses.replace(self, core=core, shape=shape, regions=tuple(regions))
+
+
+def _shifted(region: tuple[slice, ...], axis: int, by: int) -> tuple[slice, ...]:
+    r = region[axis]
+    return (*region[:axis], slice(r.start + by, r.stop + by), *region[axis + 1 :])
 
 
 class HaloBlock:
@@ -56,33 +75,54 @@ class HaloBlock:
     Shape, size and bytes are the core's: the partition's sub-chunks are cut along the
     core's rows; each sub-chunk's read window is its rows widened by the depth."""
 
-    __slots__ = ("core", "slabs", "spec")
+    __slots__ = ("pieces", "spec")
 
-    def __init__(self, spec: HaloSpec, core: Any, slabs: tuple[Any, ...]):
-        self.spec, self.core, self.slabs = spec, core, tuple(slabs)
+    def __init__(self, spec: HaloSpec, pieces: tuple[Any, ...]):
+        self.spec, self.pieces = spec, tuple(pieces)
 
     def __reduce__(self) -> tuple:
-        return HaloBlock, (self.spec, self.core, self.slabs)
+        return HaloBlock, (self.spec, self.pieces)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.core.shape
+        return self.spec.core
 
     @property
     def ndim(self) -> int:
-        return self.core.ndim
+        return len(self.spec.core)
 
     @property
     def size(self) -> int:
-        return self.core.size
+        return math.prod(self.spec.core)
 
     @property
     def nbytes(self) -> int:
-        return self.core.nbytes
+        return self.size * self.dtype.itemsize
 
     @property
     def dtype(self) -> Any:
-        return self.core.dtype
+        return self.pieces[0].dtype
+
+    def __array_function__(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        # Dask joins the blocks of an axis a call drops (drop_axis): along an axis with no
+        # halo, their pieces are those of one padded block, still not joined on the host.
+        import numpy as np
+
+        blocks = list(args[0]) if func is np.concatenate else []
+        axis = kwargs.get("axis", args[1] if len(args) > 1 else 0)
+        if not blocks or any(type(b) is not HaloBlock for b in blocks):
+            return NotImplemented
+        if len(blocks) == 1:
+            return blocks[0]
+        axis %= blocks[0].ndim
+        if any(b.spec.margins[axis] != (0, 0) for b in blocks):
+            raise NotImplementedError(
+                "map_overlap cannot join the padded blocks of several chunks along an axis "
+                f"it drops (drop_axis) that has a halo (axis {axis}): give it depth 0 or "
+                "rechunk it to one chunk first"
+            )
+        spec = blocks[0].spec.joined([b.spec for b in blocks[1:]], axis)
+        return HaloBlock(spec, tuple(p for b in blocks for p in b.pieces))
 
     def rows_needed(self, axis: int) -> int:
         """The fewest rows a sub-chunk cut along ``axis`` may have: a reflected boundary
@@ -90,30 +130,12 @@ class HaloBlock:
         return max(1, *self.spec.depth[axis])
 
     def __repr__(self) -> str:
-        return f"HaloBlock(core={self.shape}, slabs={len(self.slabs)}, {self.spec.margins})"
+        return f"HaloBlock(core={self.shape}, pieces={len(self.pieces)}, {self.spec.margins})"
 
 
-def halo_block(spec: HaloSpec, core: Any, *slabs: Any) -> HaloBlock:
+def halo_block(spec: HaloSpec, *pieces: Any) -> HaloBlock:
     """The graph's task for one block (Dask gives it the core and the slabs' views)."""
-    return HaloBlock(spec, core, slabs)
-
-
-def regions(spec: HaloSpec, core_shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
-    """Where the core (first) and each slab lie in the padded block."""
-
-    def region(offset: tuple[int, ...]) -> tuple[slice, ...]:
-        out = []
-        for o, (lo, _), n in zip(offset, spec.margins, core_shape, strict=True):
-            out.append(
-                slice(0, lo) if o < 0 else slice(lo, lo + n) if o == 0 else slice(lo + n, None)
-            )
-        return tuple(out)
-
-    return [region((0,) * len(core_shape))] + [region(o) for o in spec.offsets]
-
-
-def padded_shape(margins: tuple[tuple[int, int], ...], core_shape: tuple[int, ...]) -> tuple:
-    return tuple(lo + n + hi for (lo, hi), n in zip(margins, core_shape, strict=True))
+    return HaloBlock(spec, pieces)
 
 
 def _along(axis: int, index: slice) -> tuple[slice, ...]:
@@ -162,9 +184,15 @@ class HaloFunc:
     """
 
     def __init__(
-        self, func: Callable[..., Any], trim: bool, ref: int, out_axes: tuple[int | None, ...]
+        self,
+        func: Callable[..., Any],
+        trim: bool,
+        ref: int,
+        out_axes: tuple[int | None, ...],
+        free_shape: bool = False,
     ):
         self.func, self.trim, self.ref, self.out_axes = func, trim, ref, tuple(out_axes)
+        self.free_shape = free_shape  # chunks= given: func may change the shape (as Dask)
         self.__name__ = funcname(func)
 
     @property
@@ -175,12 +203,19 @@ class HaloFunc:
         return inspect.signature(self.func)
 
     def __reduce__(self) -> tuple:
-        return HaloFunc, (self.func, self.trim, self.ref, self.out_axes)
+        return HaloFunc, (self.func, self.trim, self.ref, self.out_axes, self.free_shape)
 
     def __dask_tokenize__(self) -> Any:
         from dask.base import tokenize
 
-        return ("HaloFunc", tokenize(self.func), self.trim, self.ref, self.out_axes)
+        return (
+            "HaloFunc",
+            tokenize(self.func),
+            self.trim,
+            self.ref,
+            self.out_axes,
+            self.free_shape,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         margins = kwargs.pop(HALO_KWARG, None)
@@ -195,7 +230,7 @@ class HaloFunc:
         the wrong rows), with an error that names ``trim``."""
         shape = getattr(result, "shape", None)
         given = tuple(args[self.ref].shape)
-        if shape is None or len(shape) != len(self.out_axes):
+        if shape is None or (len(shape) != len(self.out_axes) and not self.free_shape):
             raise ValueError(
                 f"trim=True requires {self.__name__} to return an array of "
                 f"{len(self.out_axes)} dimensions (those of the block it is given, less "
@@ -203,9 +238,9 @@ class HaloFunc:
                 f"returned {_shape_of(result)}. Pass trim=False if func trims its result itself"
             )
         index = []
-        for o, ax in enumerate(self.out_axes):
+        for o, ax in enumerate(self.out_axes[: len(shape)]):
             lo, hi = (0, 0) if ax is None else margins[ax]
-            if lo + hi and shape[o] != given[ax]:
+            if lo + hi and shape[o] != given[ax] and not self.free_shape:
                 raise ValueError(
                     f"trim=True requires {self.__name__} to keep the shape of the block it is "
                     f"given along the overlapped axes: it was given a block of shape {given} "

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .halo import HaloBlock, fill, padded_shape, regions
+from .halo import HaloBlock, fill
 from .pieces import PinnedBlocks
 
 __all__ = ["BlocksInput", "DeviceInput", "HaloInput", "HostInput", "Input", "as_input"]
@@ -161,11 +161,10 @@ class HaloInput:
     @classmethod
     def of(cls, backend: Any, block: HaloBlock) -> HaloInput:
         spec = block.spec
-        where = regions(spec, block.shape)
-        arrays = (block.core, *block.slabs)
-        pieces = [(r, as_input(backend, a)) for r, a in zip(where, arrays, strict=True)]
-        shape = padded_shape(spec.margins, block.shape)
-        return cls(shape, block.dtype, pieces, spec.fills, spec.margins, spec.depth)
+        pieces = [
+            (r, as_input(backend, a)) for r, a in zip(spec.regions, block.pieces, strict=True)
+        ]
+        return cls(spec.shape, block.dtype, pieces, spec.fills, spec.margins, spec.depth)
 
     @property
     def ndim(self) -> int:
