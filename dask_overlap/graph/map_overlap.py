@@ -67,16 +67,16 @@ def _check_one_depth(value: Any, where: str) -> None:
         raise ValueError(f"depth{where} must be a non-negative integer, got {value}")
 
 
-def check_depth(depth: Any, ndim: int, which: str) -> None:
+def check_depth(depth: Any, ndim: int, which: str, keys: int) -> None:
     """One array's ``depth``: an integer, a tuple per axis, or a dict by axis."""
     if depth is None:
         return
     if isinstance(depth, dict):
         for ax, d in depth.items():
-            if isinstance(ax, bool) or not isinstance(ax, Integral) or not 0 <= ax < ndim:
+            if isinstance(ax, bool) or not isinstance(ax, Integral) or not 0 <= ax < keys:
                 raise ValueError(
-                    f"depth{which} is keyed by axis: got key {ax!r} for an array of {ndim} "
-                    "dimension(s)"
+                    f"depth{which} is keyed by axis: got key {ax!r} for arrays of at most "
+                    f"{keys} dimension(s)"
                 )
             _check_one_depth(d, f"{which}[{ax}]")
     elif isinstance(depth, tuple):
@@ -105,16 +105,16 @@ def _check_one_boundary(value: Any, where: str) -> None:
         )
 
 
-def check_boundary(boundary: Any, ndim: int, which: str) -> None:
+def check_boundary(boundary: Any, ndim: int, which: str, keys: int) -> None:
     """One array's ``boundary``: a name or constant, a tuple per axis, or a dict by axis."""
     if boundary is None:
         return
     if isinstance(boundary, dict):
         for ax, b in boundary.items():
-            if isinstance(ax, bool) or not isinstance(ax, Integral) or not 0 <= ax < ndim:
+            if isinstance(ax, bool) or not isinstance(ax, Integral) or not 0 <= ax < keys:
                 raise ValueError(
-                    f"boundary{which} is keyed by axis: got key {ax!r} for an array of {ndim} "
-                    "dimension(s)"
+                    f"boundary{which} is keyed by axis: got key {ax!r} for arrays of at most "
+                    f"{keys} dimension(s)"
                 )
             _check_one_boundary(b, f"{which}[{ax}]")
     elif isinstance(boundary, tuple):
@@ -168,6 +168,17 @@ def _trimmed_chunks(chunks: Any, out_axes: tuple, depth: dict, boundary: dict) -
     return tuple(out)
 
 
+def _halos(x: da.Array, depth: dict, boundary: dict) -> tuple:
+    """Each block's halo before and after it, per axis (what Dask's overlap adds)."""
+    before, after = [], []
+    for a, n in enumerate(x.numblocks):
+        lo, hi = sides(depth[a])
+        none = boundary[a] == "none"
+        before.append(tuple(0 if (none and j == 0) else lo for j in range(n)))
+        after.append(tuple(0 if (none and j == n - 1) else hi for j in range(n)))
+    return tuple(before), tuple(after)
+
+
 def _normalised(
     args: tuple, depth: Any, boundary: Any, align_arrays: bool
 ) -> tuple[list[da.Array], list[dict], list[dict]]:
@@ -180,8 +191,10 @@ def _normalised(
     depths, bounds = _each(depth, args, "depth"), _each(boundary, args, "boundary")
     for i, (x, d, b) in enumerate(zip(args, depths, bounds, strict=True)):
         which = f" (array {i})" if isinstance(depth, list) or isinstance(boundary, list) else ""
-        check_depth(d, x.ndim, which)
-        check_boundary(b, x.ndim, which)
+        # (A dict's keys may name axes of the arrays of most dimensions: Dask ignores,
+        # for each array, those it has not.)
+        check_depth(d, x.ndim, which, max(y.ndim for y in args))
+        check_boundary(b, x.ndim, which, max(y.ndim for y in args))
     depths = [coerce_depth(x.ndim, d) for x, d in zip(args, depths, strict=True)]
     bounds = [coerce_boundary(x.ndim, b) for x, b in zip(args, bounds, strict=True)]
     if align_arrays:  # (as Dask: reversed, so that blocks broadcast)
@@ -299,6 +312,8 @@ def map_overlap(
             grid = [1 if ax is None else args[ref].numblocks[ax] for ax in out_axes]
             chunks = tuple((c,) * n for c, n in zip(chunks, grid, strict=False))
         kwargs["chunks"] = _trimmed_chunks(chunks, out_axes, depths[ref], bounds[ref])
-    wrapped = HaloFunc(func, trim, ref, out_axes, free_shape=kwargs.get("chunks") is not None)
+    halos_of = tuple(_halos(x, d, b) for x, d, b in zip(args, depths, bounds, strict=True))
+    free = kwargs.get("chunks") is not None
+    wrapped = HaloFunc(func, trim, ref, out_axes, free_shape=free, chunks=halos_of)
     halos = [halo_array(x, d, b) for x, d, b in zip(args, depths, bounds, strict=True)]
     return map_blocks(wrapped, *halos, split_axis=split_axis, batch=1, **kwargs)

@@ -190,9 +190,13 @@ class HaloFunc:
         ref: int,
         out_axes: tuple[int | None, ...],
         free_shape: bool = False,
+        chunks: tuple | None = None,
     ):
         self.func, self.trim, self.ref, self.out_axes = func, trim, ref, tuple(out_axes)
         self.free_shape = free_shape  # chunks= given: func may change the shape (as Dask)
+        # Per array, each block's halo (before, after) per axis: block_info as Dask's,
+        # which describes the padded arrays Dask's overlap builds.
+        self.chunks = chunks
         self.__name__ = funcname(func)
 
     @property
@@ -203,7 +207,8 @@ class HaloFunc:
         return inspect.signature(self.func)
 
     def __reduce__(self) -> tuple:
-        return HaloFunc, (self.func, self.trim, self.ref, self.out_axes, self.free_shape)
+        args = (self.func, self.trim, self.ref, self.out_axes, self.free_shape, self.chunks)
+        return HaloFunc, args
 
     def __dask_tokenize__(self) -> Any:
         from dask.base import tokenize
@@ -219,10 +224,30 @@ class HaloFunc:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         margins = kwargs.pop(HALO_KWARG, None)
+        info = kwargs.get("block_info")
+        if isinstance(info, dict) and margins is not None and self.chunks is not None:
+            kwargs["block_info"] = self.block_info(info, margins)
         result = self.func(*args, **kwargs)
         if not self.trim or margins is None:
             return result  # (also Dask's meta inference, on empty blocks)
         return self.trimmed(result, margins[self.ref], args)
+
+    def block_info(self, info: dict, margins: tuple) -> dict:
+        """Dask's ``block_info`` of the core blocks (narrowed to a sub-chunk's rows), as
+        Dask's ``map_overlap`` gives it: of the padded arrays, the window widened by
+        ``margins``; the output's too where ``trim`` (it is then the padded output)."""
+        out = {}
+        for key, entry in info.items():
+            entry = dict(entry)
+            if key is None:
+                if self.trim and not self.free_shape:
+                    axes = [(o, ax) for o, ax in enumerate(self.out_axes) if ax is not None]
+                    entry = _padded_entry(entry, self.chunks[self.ref], margins[self.ref], axes)
+            elif isinstance(key, int) and key < len(self.chunks):
+                axes = [(a, a) for a in range(len(margins[key]))]
+                entry = _padded_entry(entry, self.chunks[key], margins[key], axes)
+            out[key] = entry
+        return out
 
     def trimmed(self, result: Any, margins: tuple[tuple[int, int], ...], args: tuple) -> Any:
         """``result`` less the margins of the reference array, on the output's axes; a
@@ -249,6 +274,27 @@ class HaloFunc:
                 )
             index.append(slice(lo, shape[o] - hi))
         return result[tuple(index)]
+
+
+def _padded_entry(entry: dict, chunks: tuple, margins: tuple, axes: list) -> dict:
+    """One ``block_info`` entry moved from the core array to the padded one, on ``axes``
+    (pairs of the entry's axis and the array's); ``chunks``: per axis, each block's halo
+    before and after it."""
+    before, after = chunks
+    shape, location = list(entry["shape"]), list(entry["array-location"])
+    chunk_shape = list(entry.get("chunk-shape", ()))
+    for e, a in axes:
+        j = entry["chunk-location"][e]
+        start, stop = location[e]
+        at = sum(before[a][:j]) + sum(after[a][:j]) + before[a][j]  # core -> padded
+        location[e] = (start + at - margins[a][0], stop + at + margins[a][1])
+        shape[e] += sum(before[a]) + sum(after[a])
+        if chunk_shape:
+            chunk_shape[e] = location[e][1] - location[e][0]
+    entry.update({"shape": tuple(shape), "array-location": location})
+    if chunk_shape:
+        entry["chunk-shape"] = tuple(chunk_shape)
+    return entry
 
 
 def _shape_of(x: Any) -> str:
