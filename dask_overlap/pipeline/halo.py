@@ -142,21 +142,27 @@ def _along(axis: int, index: slice) -> tuple[slice, ...]:
     return (slice(None),) * axis + (index,)
 
 
-def fill(buf: Any, fills: tuple, margins: tuple[tuple[int, int], ...]) -> None:
+def fill(buf: Any, fills: tuple) -> None:
     """Make the external boundary in ``buf`` (NumPy or CuPy: slicing only, so on CuPy a
     kernel on the current stream), each side from rows already in ``buf``, in axis order
-    (a later axis's padding spans the earlier ones', as Dask's ``boundaries`` does)."""
-    for axis, side, kind, value in fills:
-        lo, hi = margins[axis]
+    (a later axis's padding spans the earlier ones', as Dask's ``boundaries`` does).
+
+    ``fills``: ``(axis, side, kind, value, width)``, ``width`` the rows of that side's
+    padding in ``buf`` (fewer than the depth in a sub-chunk's window that ends in it)."""
+    for axis, side, kind, value, width in fills:
         n = buf.shape[axis]
-        if side == LO:
-            dst, width = slice(0, lo), lo
-            src = slice(lo, 2 * lo) if kind == "reflect" else slice(lo, lo + 1)
-        else:
-            dst, width = slice(n - hi, n), hi
-            src = slice(n - 2 * hi, n - hi) if kind == "reflect" else slice(n - hi - 1, n - hi)
         if not width:
             continue
+        if side == LO:
+            dst = slice(0, width)
+            src = slice(width, 2 * width) if kind == "reflect" else slice(width, width + 1)
+        else:
+            dst = slice(n - width, n)
+            src = (
+                slice(n - 2 * width, n - width)
+                if kind == "reflect"
+                else slice(n - width - 1, n - width)
+            )
         target = _along(axis, dst)
         if kind == "constant":
             buf[target] = value

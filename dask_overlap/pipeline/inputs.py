@@ -164,7 +164,9 @@ class HaloInput:
         pieces = [
             (r, as_input(backend, a)) for r, a in zip(spec.regions, block.pieces, strict=True)
         ]
-        return cls(spec.shape, block.dtype, pieces, spec.fills, spec.margins, spec.depth)
+        # Each side made on the device, with its rows in the padded block.
+        fills = [(*f, spec.margins[f[0]][f[1]]) for f in spec.fills]
+        return cls(spec.shape, block.dtype, pieces, fills, spec.margins, spec.depth)
 
     @property
     def ndim(self) -> int:
@@ -203,7 +205,13 @@ class HaloInput:
             if i0 < i1:
                 local = x.part(_along(ax, i0 - r[0], i1 - r[0]))
                 pieces.append((_replaced(region, ax, slice(i0 - a, i1 - a)), local))
-        fills = [f for f in self.fills if f[0] != ax or (a == 0 if f[1] == 0 else b == extent)]
+        fills = []
+        for f in self.fills:  # a side along ax: the rows of it the window holds
+            if f[0] == ax:
+                width = max(0, f[4] - a) if f[1] == 0 else max(0, b - (extent - f[4]))
+                f = (*f[:4], width)
+            if f[4]:
+                fills.append(f)
         margins = list(self.margins)
         margins[ax] = (s + lo - a, b - t - lo)
         shape = list(self.shape)
@@ -235,7 +243,7 @@ class HaloInput:
                 if x.size:
                     backend.place(stream, x.to_device(backend, stream), dev[region])
         if self.fills:
-            fill(dev, self.fills, self.margins)
+            fill(dev, self.fills)
         return dev
 
 
