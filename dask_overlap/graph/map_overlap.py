@@ -271,8 +271,8 @@ def map_overlap(
     --------
     >>> import dask.array as da, dask_overlap, numpy as np
     >>> x = da.from_array(np.array([1, 1, 2, 3, 3, 3, 2, 1, 1]), chunks=5)
-    >>> dask_overlap.map_overlap(lambda b: np.gradient(b), x, depth=1,
-    ...                          boundary="none").compute().tolist()
+    >>> y = dask_overlap.map_overlap(np.gradient, x, depth=1, boundary="none", dtype=float)
+    >>> y.compute().tolist()
     [0.0, 0.5, 1.0, 0.5, 0.0, -0.5, -1.0, -0.5, 0.0]
     """
     if isinstance(func, da.Array) and args and callable(args[0]):
