@@ -230,6 +230,23 @@ def test_a_fused_threshold_and_sum_follow_the_trim(x3) -> None:
     assert ours.compute() == theirs.compute()
 
 
+def test_chained_stages_and_halos(x3) -> None:
+    """A stage, a halo filter, another with another boundary, a threshold and a sum."""
+
+    def ours(x):
+        y = dask_overlap.map_blocks(lambda b: b * 2, x, split_axis=0)
+        z = dask_overlap.map_overlap(stencil, y, depth={0: 2, 1: 1, 2: 1}, boundary="reflect",
+                                     split_axis=0)  # fmt: skip
+        return dask_overlap.map_overlap(stencil, z, depth={0: 2, 1: 1, 2: 1}, boundary="periodic")
+
+    def theirs(x):
+        z = da.map_overlap(stencil, x * 2, depth={0: 2, 1: 1, 2: 1}, boundary="reflect")
+        return da.map_overlap(stencil, z, depth={0: 2, 1: 1, 2: 1}, boundary="periodic")
+
+    np.testing.assert_array_equal(ours(x3).compute(), theirs(x3).compute())
+    assert (ours(x3) > 0).sum().compute() == (theirs(x3) > 0).sum().compute()
+
+
 # -- no padded block in Dask's tasks -------------------------------------------------
 def test_each_partition_gets_its_core_and_views_of_edge_slabs() -> None:
     base = np.arange(12 * 10.0).reshape(12, 10)

@@ -18,10 +18,13 @@ halos, so the corners come out as Dask's do when the fills run in axis order.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+from dask.base import tokenize
 from dask.utils import funcname
 
 __all__ = ["HALO_KWARG", "HaloBlock", "HaloFunc", "HaloSpec", "fill", "halo_block"]
@@ -106,8 +109,6 @@ class HaloBlock:
     def __array_function__(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
         # Dask joins the blocks of an axis a call drops (drop_axis): along an axis with no
         # halo, their pieces are those of one padded block, still not joined on the host.
-        import numpy as np
-
         blocks = list(args[0]) if func is np.concatenate else []
         axis = kwargs.get("axis", args[1] if len(args) > 1 else 0)
         if not blocks or any(type(b) is not HaloBlock for b in blocks):
@@ -208,8 +209,6 @@ class HaloFunc:
     @property
     def __signature__(self) -> Any:
         # What ``has_keyword`` reads: the user's func's (block_id, block_info).
-        import inspect
-
         return inspect.signature(self.func)
 
     def __reduce__(self) -> tuple:
@@ -217,8 +216,6 @@ class HaloFunc:
         return HaloFunc, args
 
     def __dask_tokenize__(self) -> Any:
-        from dask.base import tokenize
-
         return (
             "HaloFunc",
             tokenize(self.func),
@@ -226,6 +223,7 @@ class HaloFunc:
             self.ref,
             self.out_axes,
             self.free_shape,
+            self.chunks,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
