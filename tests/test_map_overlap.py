@@ -7,6 +7,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from support import compute_on_two_worker_processes
 
 import dask_overlap
 from dask_overlap.graph.halo import halo_array
@@ -245,6 +246,17 @@ def test_chained_stages_and_halos(x3) -> None:
 
     np.testing.assert_array_equal(ours(x3).compute(), theirs(x3).compute())
     assert (ours(x3) > 0).sum().compute() == (theirs(x3) > 0).sum().compute()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_on_two_worker_processes(x3) -> None:
+    """Slabs travel between workers as any block's slice does (pickled views)."""
+    y = dask_overlap.map_overlap(stencil, x3, depth={0: 2, 1: 1}, boundary="periodic", split_axis=0)
+    got, stats = compute_on_two_worker_processes(y)
+    theirs = da.map_overlap(stencil, x3, depth={0: 2, 1: 1}, boundary="periodic").compute()
+    np.testing.assert_array_equal(got, theirs)
+    assert sum(s["partitions"] for s in stats.values()) == 9
 
 
 # -- no padded block in Dask's tasks -------------------------------------------------
