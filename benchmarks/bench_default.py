@@ -7,7 +7,7 @@ on Dask's default threaded scheduler):
 1. naive Dask + CuPy: ``cp.asnumpy(f(cp.asarray(block)))`` per partition;
 2. ``dask_overlap.map_blocks(f, x, split_axis=0)`` and ``dask_overlap.map_blocks(f, x)``,
    with no options at all (the default pinned pool, 4 GiB, is smaller than the result);
-3. a hand-written pipeline of the same shape with no Dask (``common.run_handwritten``;
+3. a hand-written pipeline of the same shape with no Dask (``common.handwritten_runs``;
    CUDA only), its best over a few chunks-in-flight and thread counts;
 4. the stage rates: PCIe each way and both ways, staging into pinned memory, unstaging
    into fresh arrays, the kernel;
@@ -33,7 +33,7 @@ from typing import Any
 import dask
 import dask.array as da
 import numpy as np
-from dask.utils import format_bytes, parse_bytes
+from dask.utils import format_bytes
 
 import dask_overlap
 
@@ -44,19 +44,19 @@ from common import (  # noqa: E402
     add_output,
     add_repeat,
     array_of_views,
-    best_of,
     best_persist,
     byte_count,
     comma_list,
     device_name,
     engine_busy,
+    gaussian_case,
+    handwritten_runs,
     make_kernel,
     measure_ceilings,
     naive,
     parallel_copy_rate,
     parser,
     random_data,
-    run_handwritten,
     same_chunks,
     save,
     warm_up,
@@ -69,15 +69,6 @@ def rss() -> int:
     """This process's resident bytes (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def gaussian(block: Any) -> Any:
-    """``gaussian_filter1d`` along rows, on CuPy or NumPy blocks alike."""
-    if isinstance(block, np.ndarray):
-        from scipy.ndimage import gaussian_filter1d
-    else:
-        from cupyx.scipy.ndimage import gaussian_filter1d
-    return gaussian_filter1d(block, sigma=8.0, axis=-1)
 
 
 def stage_rates(block: np.ndarray, threads: int) -> dict[str, float]:
@@ -153,20 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     hand: list[dict] = []
     if backend == "cuda":
-        rows_per_chunk = max(1, parse_bytes("64MiB") // (4 * COLS))
-        for k in comma_list(args.hand_in_flight, int):
-            for t in comma_list(args.hand_threads, int):
-                best, chunks = best_of(
-                    lambda k=k, t=t: run_handwritten(host, rows_per_chunk, func, k, t),
-                    args.repeat,
-                )
-                ok = same_chunks(ref, chunks)
-                del chunks
-                hand.append({"in_flight": k, "threads": t, "gbps": nbytes / best / GB, "ok": ok})
-                print(
-                    f"  hand-written, {k} in flight, {t} threads: {hand[-1]['gbps']:7.2f} GB/s"
-                    + ("" if ok else "  WRONG")
-                )
+        in_flights, threads = (comma_list(a, int) for a in (args.hand_in_flight, args.hand_threads))
+        hand = handwritten_runs(host, func, ref, in_flights, threads, args.repeat)
     del ref
 
     default_s = min(split_s, whole_s)
@@ -288,37 +267,6 @@ def sweep(rt: Any, x: da.Array, func: Any, nbytes: int, want: float) -> list[dic
             + ("" if ok else " WRONG")
         )
     rt.copies.piece_bytes = default_piece
-    return out
-
-
-def gaussian_case(nbytes: int, rows_per_part: int) -> dict[str, Any]:
-    """``gaussian_filter1d`` along rows: naive against dask_overlap with defaults."""
-    host = random_data((max(1, nbytes // (4 * COLS)), COLS))
-    x = array_of_views(host, rows_per_part)
-    reference = naive(x, gaussian)
-    ours = dask_overlap.map_blocks(gaussian, x, split_axis=0, dtype=np.float32)
-    whole = dask_overlap.map_blocks(gaussian, x, dtype=np.float32)
-    dask.persist(reference[:rows_per_part], ours[:rows_per_part], whole[:rows_per_part])
-    naive_s, ref = best_persist(reference, 1)
-    ours_s, got = best_persist(ours, 2)
-    correct = same_chunks(ref, got)
-    del got
-    whole_s, got = best_persist(whole, 2)
-    correct = correct and same_chunks(ref, got)
-    out = {
-        "size_bytes": host.nbytes,
-        "naive_gbps": host.nbytes / naive_s / GB,
-        "default_gbps": host.nbytes / ours_s / GB,
-        "nosplit_gbps": host.nbytes / whole_s / GB,
-        "speedup_vs_naive": naive_s / ours_s,
-        "correct": bool(correct),
-    }
-    print(
-        f"  gaussian_filter1d along rows, {format_bytes(host.nbytes)}: naive "
-        f"{out['naive_gbps']:.2f} GB/s, dask_overlap {out['default_gbps']:.2f} GB/s "
-        f"(no split {out['nosplit_gbps']:.2f}), {out['speedup_vs_naive']:.2f}x, "
-        f"correct={out['correct']}"
-    )
     return out
 
 

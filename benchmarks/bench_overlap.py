@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     add_repeat,
     array_of_views,
     best_of,
+    bound_seconds,
     byte_count,
     comma_list,
     device_name,
@@ -58,6 +59,7 @@ from common import (  # noqa: E402
     parser,
     persist_chunks,
     pinned_copy,
+    pinned_pool_size,
     same_chunks,
     save,
     write_json,
@@ -97,38 +99,6 @@ def configure_timed(workload: str) -> None:
     ratio = KERNEL_RATIO[workload]
     kernel_bw = h2d / ratio if ratio else h2d * 20
     dask.config.set({"overlap.timed.kernel-bandwidth": int(kernel_bw)})
-
-
-def bound_seconds(
-    total_in: int,
-    total_out: int,
-    kernel_s: float,
-    ceilings: dict,
-    staged: bool,
-    unstaged: bool = False,
-):
-    """The slowest stage: each stage's bytes over its rate; ``stage`` names the winner.
-
-    Staging in and unstaging out are host copies on the same threads: they count as one
-    stage, the input at the staging rate, the results at the rate of copies into fresh
-    memory (``fresh``), since every result is a new array.
-    """
-    stages = {
-        "h2d": total_in / ceilings["h2d"],
-        "d2h": total_out / ceilings["d2h"],
-        "kernel": kernel_s,
-    }
-    if ceilings.get("both"):
-        stages["both_ways"] = (total_in + total_out) / ceilings["both"]
-    if (staged or unstaged) and ceilings.get("staging"):
-        stages["host_copies"] = total_in * staged / ceilings["staging"] + total_out * unstaged / (
-            ceilings.get("fresh") or ceilings["staging"]
-        )
-    if ceilings.get("host_cores"):
-        # The host backend has no separate engines: every stage runs on the same cores.
-        stages["host_cpu"] = sum(stages.values()) / ceilings["host_cores"]
-    name = max(stages, key=stages.get)
-    return stages[name], name, stages
 
 
 def caveats(backend: str, over_bound: float) -> list[str]:
@@ -192,15 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
     subs = comma_list(args.sub_chunk, parse_bytes) or [None]
     in_flights = comma_list(args.in_flight, int) or [None]
     threads = comma_list(args.threads, int) or [4]
-    # Kept pinned blocks (results with --out pinned; pinned input off the GPU, where only
-    # the pool's blocks count as pinned) may take half the pool; the ring has the rest.
-    kept = nbytes * ((args.out == "pinned") + (args.pinned_input and backend != "cuda"))
-    pool = int(2.1 * kept) + 2**30
     cfg = {
         "overlap.backend": backend,
-        "overlap.pinned-pool-size": max(
-            pool, parse_bytes(str(dask.config.get("overlap.pinned-pool-size")))
-        ),
+        "overlap.pinned-pool-size": pinned_pool_size(nbytes, args.out, args.pinned_input, backend),
     }
     dask.config.set(cfg)
     if backend == "timed":

@@ -317,7 +317,7 @@ def runtime_device() -> str:
 # -- data --------------------------------------------------------------------------------
 
 
-def random_data(shape: tuple[int, int], threads: int = 16) -> np.ndarray:
+def random_data(shape: tuple[int, ...], threads: int = 16) -> np.ndarray:
     """Float32 random data in ordinary memory, made by several threads (NumPy's
     generators release the GIL); the same data for the same shape."""
     out = np.empty(shape, np.float32)
@@ -333,14 +333,23 @@ def random_data(shape: tuple[int, int], threads: int = 16) -> np.ndarray:
 
 
 def array_of_views(host: np.ndarray, rows_per_part: int) -> da.Array:
-    """A dask array whose chunks are views of ``host`` (``from_array`` would copy them,
-    and a copy of pinned input is pageable)."""
+    """A dask array whose chunks are views of ``host``, ``rows_per_part`` along the first
+    axis and whole along the others (``from_array`` would copy them, and a copy of pinned
+    input is pageable).
+
+    Examples
+    --------
+    >>> array_of_views(np.zeros((5, 2, 3)), 2).chunks
+    ((2, 2, 1), (2,), (3,))
+    """
     name = f"input-{tokenize(host.shape, host.dtype, id(host))}"
     starts = range(0, host.shape[0], rows_per_part)
-    dsk = {(name, i, 0): host[s : s + rows_per_part] for i, s in enumerate(starts)}
-    chunks = (tuple(min(rows_per_part, host.shape[0] - s) for s in starts), (host.shape[1],))
+    rest = (0,) * (host.ndim - 1)
+    dsk = {(name, i, *rest): host[s : s + rows_per_part] for i, s in enumerate(starts)}
+    rows = tuple(min(rows_per_part, host.shape[0] - s) for s in starts)
+    chunks = (rows, *((n,) for n in host.shape[1:]))
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
-    return da.Array(graph, name, chunks, meta=np.empty((0, 0), host.dtype))
+    return da.Array(graph, name, chunks, meta=np.empty((0,) * host.ndim, host.dtype))
 
 
 def pinned_copy(rt: Any, host: np.ndarray) -> np.ndarray:
@@ -504,6 +513,80 @@ def run_handwritten(
     return seconds, outputs
 
 
+def handwritten_runs(
+    host: np.ndarray,
+    func: Callable[[Any], Any],
+    want: list[np.ndarray],
+    in_flights: Iterable[int],
+    threads: Iterable[int],
+    repeat: int,
+    chunk_bytes: int = 64 << 20,
+) -> list[dict[str, Any]]:
+    """:func:`run_handwritten` over chunks of about ``chunk_bytes``, for every pair of
+    ``in_flights`` and ``threads``, each the best of ``repeat``: one dict a pair
+    (``in_flight``, ``threads``, ``gbps`` of input, ``ok``: its chunks equal ``want``'s)."""
+    rows_per_chunk = max(1, chunk_bytes // host[:1].nbytes)
+    out = []
+    for k in in_flights:
+        for t in threads:
+            best, chunks = best_of(
+                lambda k=k, t=t: run_handwritten(host, rows_per_chunk, func, k, t), repeat
+            )
+            ok = same_chunks(want, chunks)
+            del chunks
+            out.append({"in_flight": k, "threads": t, "gbps": host.nbytes / best / GB, "ok": ok})
+            print(
+                f"  hand-written, {k} in flight, {t} threads: {out[-1]['gbps']:7.2f} GB/s"
+                + ("" if ok else "  WRONG"),
+                flush=True,
+            )
+    return out
+
+
+def gaussian_rows(block: Any) -> Any:
+    """``gaussian_filter1d`` along rows (sigma 8), on CuPy or NumPy blocks alike: a real
+    library kernel, row-independent."""
+    if isinstance(block, np.ndarray):
+        from scipy.ndimage import gaussian_filter1d
+    else:
+        from cupyx.scipy.ndimage import gaussian_filter1d
+    return gaussian_filter1d(block, sigma=8.0, axis=-1)
+
+
+def gaussian_case(nbytes: int, rows_per_part: int, repeat: int = 2) -> dict[str, Any]:
+    """:func:`gaussian_rows` over ``nbytes`` of pageable float32 in partitions of
+    ``rows_per_part`` rows: naive Dask + CuPy against ``dask_overlap.map_blocks`` with
+    defaults (``split_axis=0``, and no split), each warmed up just before it is timed;
+    both compared element by element with the naive path's chunks."""
+    host = random_data((max(1, nbytes // (4 * COLS)), COLS))
+    x = array_of_views(host, rows_per_part)
+    naive_s, ref = warm_then_time(naive(x, gaussian_rows), 1)
+    ours = dask_overlap.map_blocks(gaussian_rows, x, split_axis=0, dtype=np.float32)
+    ours_s, got = warm_then_time(ours, repeat)
+    correct = same_chunks(ref, got)
+    del got
+    whole_s, got = warm_then_time(
+        dask_overlap.map_blocks(gaussian_rows, x, dtype=np.float32), repeat
+    )
+    correct = correct and same_chunks(ref, got)
+    out = {
+        "size_bytes": host.nbytes,
+        "naive_gbps": host.nbytes / naive_s / GB,
+        "default_gbps": host.nbytes / ours_s / GB,
+        "nosplit_gbps": host.nbytes / whole_s / GB,
+        "speedup_vs_naive": naive_s / ours_s,
+        "correct": bool(correct),
+    }
+    print(
+        f"  gaussian_filter1d along rows, {host.nbytes / 2**20:.0f} MiB: naive "
+        f"{out['naive_gbps']:.2f} GB/s, dask_overlap {out['default_gbps']:.2f} GB/s "
+        f"(no split {out['nosplit_gbps']:.2f}), {out['speedup_vs_naive']:.2f}x, "
+        f"correct={out['correct']}",
+        flush=True,
+    )
+    return out
+
+
 # -- timing and correctness --------------------------------------------------------------
 
 
@@ -549,6 +632,14 @@ def warm_up(*arrays: da.Array, blocks: int = 2, **persist_kw: Any) -> None:
         dask.persist(arr[: blocks * arr.chunks[0][0]], **persist_kw)
 
 
+def warm_then_time(arr: da.Array, repeat: int, **persist_kw: Any) -> tuple[float, list]:
+    """:func:`warm_up` of ``arr`` just before :func:`best_persist` of it: a case's own
+    compilation, pools and first touch stay out of its figure, and no other case runs in
+    between."""
+    warm_up(arr, **persist_kw)
+    return best_persist(arr, repeat, **persist_kw)
+
+
 def same_chunks(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     """Element-by-element equality of two lists of row blocks, whatever their cuts (a
     batch's blocks are several of the naive path's), without joining either.
@@ -590,6 +681,57 @@ def engine_busy(spans: Iterable, start: float, end: float) -> dict[str, float]:
             reach = max(reach, s.end)
         out[stage] = covered / (end - start) if end > start else 0.0
     return out
+
+
+# -- the bound ---------------------------------------------------------------------------
+
+
+def bound_seconds(
+    total_in: int,
+    total_out: int,
+    kernel_s: float,
+    ceilings: dict,
+    staged: bool,
+    unstaged: bool = False,
+) -> tuple[float, str, dict[str, float]]:
+    """The slowest stage: each stage's bytes over its rate; ``stage`` names the winner.
+
+    Staging in and unstaging out are host copies on the same threads: they count as one
+    stage, the input at the staging rate, the results at the rate of copies into fresh
+    memory (``fresh``), since every result is a new array.
+    """
+    stages = {
+        "h2d": total_in / ceilings["h2d"],
+        "d2h": total_out / ceilings["d2h"],
+        "kernel": kernel_s,
+    }
+    if ceilings.get("both"):
+        stages["both_ways"] = (total_in + total_out) / ceilings["both"]
+    if (staged or unstaged) and ceilings.get("staging"):
+        stages["host_copies"] = total_in * staged / ceilings["staging"] + total_out * unstaged / (
+            ceilings.get("fresh") or ceilings["staging"]
+        )
+    if ceilings.get("host_cores"):
+        # The host backend has no separate engines: every stage runs on the same cores.
+        stages["host_cpu"] = sum(stages.values()) / ceilings["host_cores"]
+    name = max(stages, key=stages.get)
+    return stages[name], name, stages
+
+
+def pinned_pool_size(nbytes: int, out: str, pinned_input: bool, backend: str) -> int:
+    """``overlap.pinned-pool-size`` for a run of ``nbytes`` of input whose results stay in
+    the pool (``out="pinned"``) or whose input is the pool's (pinned input off the GPU,
+    where only the pool's blocks count as pinned): those kept blocks may take half the
+    pool, the ring has the rest; never below the configured size.
+
+    Examples
+    --------
+    >>> pinned_pool_size(10 * 2**30, "pinned", False, "cuda") / 2**30  # 2.1 x 10 + 1
+    22.0
+    """
+    kept = nbytes * ((out == "pinned") + (pinned_input and backend != "cuda"))
+    configured = parse_bytes(str(dask.config.get("overlap.pinned-pool-size")))
+    return max(int(2.1 * kept) + 2**30, configured)
 
 
 # -- stage ceilings ----------------------------------------------------------------------

@@ -7,8 +7,9 @@
 # a run, copy the current files into benchmarks/results/ and append $OUT/history.jsonl to
 # benchmarks/results/history.jsonl (pytest's log stays out of git).
 #
-#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|halo]...
-#   (peak: PEAK_ARGS, PEAK_LIMIT; pipeline: PIPELINE_ARGS, PIPELINE_LIMIT; halo: HALO_ARGS, HALO_LIMIT)
+#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits|halo]...
+#   (peak: PEAK_ARGS, PEAK_LIMIT; pipeline: PIPELINE_ARGS, PIPELINE_LIMIT; limits: LIMITS_ARGS,
+#   LIMITS_LIMIT; halo: HALO_ARGS, HALO_LIMIT)
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -124,6 +125,13 @@ run_pipeline() {
         --record "$OUT" ${PIPELINE_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 25 || status=1
 }
 
+run_limits() {
+    # Issue 31's table in one call: every row beside its bound or reference (limits.json).
+    log "limits: bench_limits.py ${LIMITS_ARGS:-}"
+    timeout "${LIMITS_LIMIT:-540}" python3 benchmarks/bench_limits.py --backend cuda \
+        --record "$OUT" ${LIMITS_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 40 || status=1
+}
+
 run_halo() {
     # A filter with halos (issue 30): map_overlap against the naive path, the padded blocks
     # built on the host, and the same filter with no halo.
@@ -225,10 +233,11 @@ for step in "${steps[@]}"; do
         trap) run_trap ;;
         peak) run_peak ;;
         pipeline) run_pipeline ;;
+        limits) run_limits ;;
         halo) run_halo ;;
         small) run_small ;;
         floor) run_floor ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|halo]..."; exit 2 ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits|halo]..."; exit 2 ;;
     esac
 done
 log "done, status $status"

@@ -103,6 +103,31 @@ def test_masked_input_is_refused_before_any_work():
     assert_no_task_ran()
 
 
+class ForeignBlock:
+    """An array of another library, as far as Dask's meta goes (sparse.COO, pandas.Series)."""
+
+    def __init__(self, b):
+        self.shape, self.dtype = np.shape(b), np.asarray(b).dtype
+
+
+def test_a_meta_of_foreign_blocks_is_refused_before_any_work(x):
+    """A meta given that is no NumPy or CuPy array (Dask would map sparse or pandas blocks
+    as such; the copies would lose them) is refused by name."""
+    with raises_at_construction(TypeError, "meta is a", "ForeignBlock", "NumPy or CuPy"):
+        dask_overlap.map_blocks(identity, x, meta=ForeignBlock(np.empty((0, 0))))
+    assert_no_task_ran()
+
+
+def test_a_func_that_returns_foreign_blocks_is_refused_before_any_work(x):
+    """Where Dask infers the meta (func on empty NumPy blocks), the same refusal names it."""
+    for dtype in (float, None):
+        with raises_at_construction(
+            TypeError, "ForeignBlock's output on empty NumPy blocks", "ForeignBlock"
+        ):
+            dask_overlap.map_blocks(ForeignBlock, x, dtype=dtype)
+    assert_no_task_ran()
+
+
 def test_a_masked_block_under_a_plain_meta_is_refused_when_it_arrives():
     """A meta can say less than its blocks: the runner refuses the block itself."""
     a = np.ma.masked_invalid(np.array([[1.0, np.nan], [3.0, 4.0]]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -224,3 +225,68 @@ def test_ceilings_on_the_cpu(tmp_path, monkeypatch):
     )
     assert result["device"] == "cpu" and result["partition_bytes"] == 4 << 20
     assert {"h2d", "d2h", "staging", "fresh"} <= set(result["rates_gbps"])
+
+
+@pytest.mark.timeout(300)
+def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
+    """Every case of issue 31's table in one call (the demo's cluster too), each row set
+    against its bound or reference, every result checked."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    argv = ["--backend", "host", "--size", "8MiB", "--partition", "2MiB", "--repeat", "1"]
+    argv += ["--small", "512KiB=2MiB", "--pinned-repeat", "2", "--small-threads", "2"]
+    result = run("bench_limits.py", *argv, record=tmp_path)
+    rows = result["rows"]
+    assert result["device"] == "cpu" and result["cases"] == list(result["case_seconds"])
+    assert set(rows) == {
+        "default_split",
+        "default_nosplit",
+        "gaussian1d",
+        "gaussian3d",
+        "demo",
+        "small_512kiB_host",
+        "small_512kiB_pinned",
+        "pinned",
+        "compute",
+    }
+    for name, row in rows.items():
+        base = row.get("bound_gbps", row.get("reference_gbps"))
+        assert ("bound_gbps" in row) != ("reference_gbps" in row), name
+        assert row["correct"] is True and row["gbps"] > 0 and base > 0, name
+        assert row["ratio"] == pytest.approx(row["gbps"] / base), name
+    # The pinned case reports each run and is its slowest; the others their best.
+    pinned = rows["pinned"]
+    assert len(pinned["runs"]) == len(pinned["ratio_each_run"]) == 2
+    assert pinned["gbps"] == min(r["gbps"] for r in pinned["runs"])
+    assert rows["compute"]["bound_stage"] == "kernel"
+    assert rows["small_512kiB_host"]["partitions"] == 4
+    assert rows["gaussian3d"]["volume_shape"] == [8, 512, 512]
+    assert rows["demo"]["worker_backends"] == ["host"] and rows["demo"]["reference_correct"]
+    assert rows["demo"]["over_default_split"] == pytest.approx(
+        rows["demo"]["gbps"] / rows["default_split"]["gbps"]
+    )
+    (line,) = history(tmp_path)
+    assert line["benchmark"] == "limits" and set(line["figures"]) == set(rows)
+    assert json.loads((tmp_path / "limits.json").read_text())["result"] == result
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--cases", "default,nope"], "--cases: expected a comma list of default"),
+        (["--small", "16MiB"], "expected PARTITION=SIZE pairs such as 16MiB=2GiB, got '16MiB'"),
+        (["--pinned-repeat", "0"], "expected an integer of at least 1, got '0'"),
+        (["--small-threads", "4,x"], "--small-threads: expected an integer of at least 1"),
+        (["--hand-threads", ""], "--hand-threads: expected a comma list of integers of at"),
+        (["--size", "0B"], "--size: expected a byte count of at least 1, got 0"),
+    ],
+)
+def test_bench_limits_refuses_bad_arguments_before_any_work(argv, words):
+    script = BENCHMARKS / "bench_limits.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--backend", "host", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and words in out.stderr
+    assert "==" not in out.stdout  # no case started

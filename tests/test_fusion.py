@@ -39,6 +39,10 @@ def double(b: Any) -> Any:
     return b * 2
 
 
+def row_sums(b: Any) -> Any:
+    return b.sum(axis=1)
+
+
 def test_two_stages_run_as_one_partition_a_block():
     a, x = data()
     z = stage(np.abs, stage(double, x))
@@ -79,6 +83,60 @@ def test_elementwise_steps_after_a_stage(build, expected):
     got = z.compute()
     np.testing.assert_allclose(got, plain.compute())
     assert got.dtype == plain.dtype
+
+
+@pytest.mark.parametrize(
+    "build, expected",
+    [
+        (lambda x: x * 2 + 1, ["mul", "add", "double"]),
+        (lambda x: da.sqrt(abs(x)), ["abs", "sqrt", "double"]),
+        (lambda x: x.astype("f4"), ["astype", "double"]),
+        (lambda x: da.where(x > 0, x, 0), None),  # the last step reads two arrays
+        (lambda x: x.map_blocks(lambda b: b + 1), None),  # a function of the user's
+    ],
+    ids=["mul-add", "sqrt-abs", "astype", "two-inputs", "users-function"],
+)
+def test_elementwise_steps_before_a_stage(build, expected):
+    a, x = data()
+    z = stage(double, build(x))
+    if expected is not None:
+        assert steps(z) == [expected]
+        assert stage(double, x).npartitions == x.npartitions
+    else:
+        assert steps(z)[-1][-1:] == ["double"] and len(steps(z)[-1]) == 1
+    got = z.compute()
+    plain = build(x).map_blocks(double)
+    np.testing.assert_allclose(got, plain.compute())
+    assert got.dtype == plain.dtype
+    if expected is not None:
+        stats = wait_until_idle()
+        assert stats["partitions"] == x.npartitions
+        assert stats["bytes_h2d"] == a.nbytes  # x's blocks handed in, not the step's
+
+
+def test_a_step_before_a_stage_read_by_something_else_too_is_left_as_it_is():
+    a, x = data()
+    y = x * 2
+    z = stage(double, y) + y
+    assert steps(z) == [["double"]]  # (and the add reads two arrays)
+    np.testing.assert_allclose(z.compute(), a * 4 + a * 2)
+
+
+def test_a_step_before_a_stage_with_other_annotations_is_left_as_it_is():
+    a, x = data()
+    with dask.annotate(priority=5):
+        y = x * 2
+    z = stage(double, y)
+    assert steps(z) == [["double"]]
+    np.testing.assert_allclose(z.compute(), a * 4)
+
+
+def test_a_step_before_a_stage_that_raises_is_named():
+    bad = stage(double, da.from_array(np.array(["a", "b"] * 4), chunks=2).astype("f8"))
+    with pytest.raises(ValueError) as info:
+        bad.compute()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "fused step 1 of 2: astype" in notes
 
 
 REDUCTIONS = ["sum", "prod", "min", "max", "mean", "var", "std", "nansum", "nanmean", "nanmax"]
@@ -207,6 +265,83 @@ def test_a_fused_step_that_raises_is_named_and_keeps_its_type():
     assert "partition ('add-" in notes
 
 
+# -- stores ----------------------------------------------------------------------------------
+class Recording(np.ndarray):
+    """A NumPy target that counts the writes made through ``target[index] = block``."""
+
+    writes = 0
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        type(self).writes += 1
+        super().__setitem__(index, value)
+
+
+@pytest.fixture
+def recording() -> Any:
+    Recording.writes = 0
+    return Recording
+
+
+def test_a_store_after_a_stage_fills_the_target_in_place(recording):
+    a, x = data()
+    y = stage(double, x, sub_chunk_bytes="2KiB")
+    target = np.zeros(a.shape).view(recording)
+    stored = da.store(y, target, lock=False, compute=False)
+    assert steps(stored) == [["double", "store"]]
+    stored.compute()
+    np.testing.assert_array_equal(np.asarray(target), a * 2)
+    assert recording.writes == 0  # each sub-chunk went into the target's region itself
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions and stats["sub_chunks"] > x.npartitions
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"lock": True}, {"regions": (slice(16, 272),)}, {"return_stored": True}]
+)
+def test_a_fused_store_does_what_dask_store_does(kwargs):
+    a, x = data()
+    y = stage(double, x)
+    shape = (288, 24) if "regions" in kwargs else a.shape
+    got, want = np.zeros(shape), np.zeros(shape)
+    out = da.store(y, got, **kwargs)
+    with dask.config.set({"overlap.fuse": False}):
+        expected = da.store(y, want, **kwargs)
+    np.testing.assert_array_equal(got, want)
+    if kwargs.get("return_stored"):
+        np.testing.assert_array_equal(out.compute(), expected.compute())
+
+
+@pytest.mark.parametrize("how", ["strided", "other dtype"])
+def test_a_target_that_cannot_be_filled_in_place_is_written_as_dask_writes_it(recording, how):
+    a, x = data()
+    y = stage(double, x)
+    if how == "strided":
+        target = np.zeros(a.shape[::-1]).T.view(recording)
+    else:
+        target = np.zeros(a.shape, "f4").view(recording)
+    da.store(y, target, lock=False)
+    np.testing.assert_allclose(np.asarray(target), a * 2, rtol=1e-6)
+    assert recording.writes == x.npartitions
+    assert wait_until_idle()["partitions"] == x.npartitions  # fused all the same
+
+
+@pytest.mark.parametrize("how", ["delayed", "large"])
+def test_a_target_in_a_key_of_its_own_is_handed_to_the_partition(recording, how):
+    # Dask puts a Delayed target, or a large array, in a key of its own: the fused
+    # partitions read it from there, as the store step did (it is not copied into them).
+    rows = 256 if how == "delayed" else 8192  # 8192 x 24 float64: 1.5 MiB
+    a = np.random.default_rng(2).standard_normal((rows, 24))
+    y = stage(double, da.from_array(a, chunks=(rows // 4, 24)))
+    target = np.zeros(a.shape).view(recording)
+    dest = dask.delayed(lambda: target)() if how == "delayed" else target
+    stored = da.store(y, dest, lock=False, compute=False)
+    assert steps(stored) == [["double", "store"]]
+    assert len(stored.__dask_graph__().layers) == 4  # from_array, the target, y, the store
+    stored.compute()
+    np.testing.assert_array_equal(np.asarray(target), a * 2)
+    assert recording.writes == 0
+
+
 # -- batches and clusters ----------------------------------------------------------------
 def test_two_auto_stages_over_small_blocks_fuse_through_their_batches():
     a = np.random.default_rng(1).standard_normal((4096, 16))
@@ -216,6 +351,28 @@ def test_two_auto_stages_over_small_blocks_fuse_through_their_batches():
     assert steps(z) == [["double", "absolute"]]
     np.testing.assert_array_equal(z.compute(), np.abs(a * 2))
     assert z.chunks == x.chunks
+
+
+@pytest.mark.parametrize(
+    "build, taken",
+    [
+        (lambda y: y * 2 + 1, ["mul", "add"]),
+        (lambda y: y.astype("f4").max(axis=1), ["astype", "chunk_max"]),
+        (lambda y: y.sum(axis=1, keepdims=True), ["sum"]),
+        (lambda y: y.sum(axis=0), []),  # along the batches: partials a block are needed
+        (lambda y: y.mean(axis=1), []),  # a mean's partial is a dict, which cannot be cut
+    ],
+    ids=["elementwise", "astype-max", "sum-rows", "sum-along-batches", "mean"],
+)
+def test_steps_after_an_auto_stage_over_small_blocks_run_before_the_cut_back(build, taken):
+    a = np.random.default_rng(1).standard_normal((4096, 16))
+    x = da.from_array(a, chunks=(64, 16))  # 64 blocks of 8 KiB: joined in batches
+    y = dask_overlap.map_blocks(double, x, split_axis=0)
+    z = build(y)
+    assert steps(z) == [["double", *taken]]
+    want = build(da.from_array(a * 2, chunks=(64, 16)))
+    assert z.chunks == want.chunks and z.dtype == want.dtype
+    np.testing.assert_allclose(z.compute(), want.compute())
 
 
 def test_a_fused_pipeline_on_worker_processes():
@@ -274,3 +431,35 @@ def test_a_fused_reduction_on_the_gpu(cuda, how, axis):
     stats = wait_until_idle()
     assert stats["partitions"] == x.npartitions
     assert stats["bytes_d2h"] < a.nbytes // 8  # only the partials came back
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target_kind", ["ndarray", "strided"])
+def test_a_fused_store_on_the_gpu(cuda, target_kind):
+    a = np.random.default_rng(5).standard_normal((4096, 256)).astype("f4")
+    x = da.from_array(a, chunks=(512, 256))
+    y = dask_overlap.map_blocks(
+        lambda b: b * 2 + 1, x, split_axis=0, sub_chunk_bytes="128KiB", batch=1
+    )
+    target = np.zeros(a.shape, "f4")
+    if target_kind == "strided":
+        target = np.zeros(a.shape[::-1], "f4").T
+    stored = da.store(y, target, lock=False, compute=False)
+    assert [len(s) for s in steps(stored)] == [2]
+    stored.compute()
+    np.testing.assert_allclose(target, a * 2 + 1, rtol=1e-6)
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions and stats["bytes_d2h"] == a.nbytes
+
+
+@pytest.mark.gpu
+def test_elementwise_steps_before_a_stage_on_the_gpu(cuda):
+    a = np.random.default_rng(6).standard_normal((4096, 256))
+    x = da.from_array(a, chunks=(512, 256))
+    y = (x * 2 + 1).astype("f4")
+    z = dask_overlap.map_blocks(row_sums, y, split_axis=0, sub_chunk_bytes="256KiB", drop_axis=1)
+    assert steps(z) == [["mul", "add", "astype", "row_sums"]]
+    got = z.compute()
+    np.testing.assert_allclose(got, (a * 2 + 1).astype("f4").sum(axis=1), rtol=1e-4)
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions and stats["bytes_h2d"] == a.nbytes

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import dask
@@ -489,6 +492,14 @@ def test_enforce_ndim_has_dasks_meaning(split_axis):
     flat = dask_overlap.map_blocks(np.ravel, x, dtype=float, enforce_ndim=True)
     with pytest.raises(ValueError, match="shape"):
         flat.compute()
+    # As in Dask, True and False name different arrays (Dask wraps func when True).
+    loose = dask_overlap.map_blocks(np.sqrt, x, enforce_ndim=False, split_axis=split_axis)
+    assert ours.name != loose.name
+    assert (
+        ours.name
+        == dask_overlap.map_blocks(np.sqrt, x, enforce_ndim=True, split_axis=split_axis).name
+    )
+    np.testing.assert_array_equal(loose.compute(), theirs.compute())
 
 
 # -- realistic workloads, against Dask's own map_blocks (#13) -----------------------------
@@ -546,3 +557,28 @@ def test_zero_length_chunks_and_chained_device_outputs():
     first = dask_overlap.map_blocks(lambda b: b * 2, x, out="device", split_axis=0)
     second = dask_overlap.map_blocks(lambda b: b + 1, first, split_axis=0)
     np.testing.assert_array_equal(second.compute(), a * 2 + 1)
+
+
+def test_cupy_kernels_are_kept_only_while_dask_overlap_pickles() -> None:
+    """The __main__ kernel guard (backends/kernel_pickling.py) is scoped: with a stand-in
+    CuPy whose kernels count their copies, building the graph, tokenizing, pickling and
+    copying a partition task make no copy of a kernel func closes over, and ``copyreg``
+    is left as it was (Dask's own tokenize, outside, still copies: the check has teeth)."""
+    script = os.path.join(os.path.dirname(__file__), "kernel_scope_script.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = dict(line.split("=", 1) for line in proc.stdout.split())
+    assert got == {
+        "copies_while_building": "0",
+        "copyreg_after": "False",
+        "copies_by_task": "0",
+        "same_kernel": "True",
+        "copy_shares_func": "True",
+        "plain_pickle_copies": "True",
+        "copies_by_plain_tokenize": got["copies_by_plain_tokenize"],
+        "correct": "True",
+    }
+    assert int(got["copies_by_plain_tokenize"]) > 0

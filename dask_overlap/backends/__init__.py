@@ -6,12 +6,33 @@ machines with no GPU and no CuPy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 
 from ..config import BACKENDS, Options
 from .base import Backend, HostPool, Stream
 
-__all__ = ["Backend", "HostPool", "Stream", "gpu_available", "make_backend", "resolve_backend"]
+__all__ = [
+    "Backend",
+    "HostPool",
+    "Stream",
+    "gpu_available",
+    "kernels_kept",
+    "make_backend",
+    "resolve_backend",
+]
+
+
+def kernels_kept() -> contextlib.AbstractContextManager:
+    """While entered, CuPy kernels pickle as references to themselves in this process (see
+    :mod:`~dask_overlap.backends.kernel_pickling`): where CuPy is imported, since only then
+    can a kernel exist; CPU-only use never imports it."""
+    if "cupy" not in sys.modules:
+        return contextlib.nullcontext()
+    from .kernel_pickling import kernels_by_reference
+
+    return kernels_by_reference()
 
 
 @functools.cache

@@ -33,7 +33,6 @@ from .base import requested_bytes
 from .cuda_memory import SCRATCH, PinnedPool, device_pool, scratch_cache
 from .cuda_streams import CudaStream
 from .cuda_trace import EventTrace
-from .kernel_pickling import guard_kernel_pickling
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,6 @@ class CudaBackend:
             ref.record(cupy.cuda.Stream.null)
             ref.synchronize()
             self._clock = (ref, time.time())
-        guard_kernel_pickling()  # tasks unpickled in this process keep their kernels
 
     # -- streams and memory -----------------------------------------------------------
     def make_stream(self) -> CudaStream:

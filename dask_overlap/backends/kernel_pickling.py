@@ -1,18 +1,28 @@
 """The ``__main__`` kernel trap, and the guard against it (cuda backend).
 
-Dask pickles tasks even for the threaded scheduler. A ``func`` defined in ``__main__`` is
-pickled by value, and with it any CuPy kernel it closes over. Unpickled in the same
+Dask pickles a ``func`` defined in ``__main__`` by value (when it tokenizes it, and when it
+sends a task to a worker), and with it any CuPy kernel it closes over. Unpickled in the same
 process, that copy is a second Python object for the same compiled module; when it is
 collected, its finalizer unloads a module the original still uses, and the original's
 next launch fails with CUDA_ERROR_INVALID_HANDLE (``moduleUnload`` errors follow at exit).
 In the same process the copy is pointless: pickle the kernel as a reference to the
 original, and give the original back on unpickling.
 
-:func:`guard_kernel_pickling` does so for the whole process (a ``copyreg`` entry):
-``dask_overlap.map_blocks`` calls it where CuPy is imported, and so does the cuda backend.
-(A pickler of the partition task's own, scoping this to dask_overlap's tasks, was tried:
-on the H200 the ``__main__`` kernel trap came back, and a shallow copy of a task went
-through pickling; the process-wide entry stays until that is understood.)
+:func:`kernels_by_reference` does so while it is entered, and dask_overlap enters it
+only where it pickles a ``func`` itself or lets Dask do so: while ``map_blocks`` builds the
+graph and tokenizes ``func`` (Dask's ``tokenize`` of a ``__main__`` function pickles it by
+value and *loads* it again, up to three times, to check that its pickle is deterministic:
+that load is the copy), while a partition task is tokenized, and while a partition task is
+pickled (:meth:`PartitionTask.__reduce_ex__ <dask_overlap.pipeline.task.PartitionTask>`,
+which an in-process cluster unpickles in the same process). Outside those, pickling in the
+client is left as it is. (While one thread is inside, the entry is in ``copyreg``'s table
+for every thread: a kernel another thread pickles then also travels as a reference.)
+:func:`guard_kernel_pickling` installs it for good, for code that pickles such kernels
+itself (plain ``dask.array.map_blocks`` with such a kernel).
+
+A first try at scoping (a pickler of the partition task's own, 2827634) failed on the H200:
+``map_blocks``'s ``tokenize`` of ``func`` was outside it (the trap came back), and a
+``copy.copy`` of a task went through that pickler (the task now has its own ``__copy__``).
 
 Seen on the H200 (CuPy 14.2, Dask 2026.8): ElementwiseKernel fails so; ReductionKernel and
 RawKernel closed over the same way work (RawKernel pickles its source and recompiles), so
@@ -21,15 +31,18 @@ they keep their own pickling, which also lets them travel to other processes.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import cupy
 
 from ..process import Registry
 
-__all__ = ["guard_kernel_pickling"]
+__all__ = ["guard_kernel_pickling", "kernels_by_reference"]
 
 #: id(kernel) -> the kernel, for the references pickled in this process.
 _kernels: Registry[int, Any] = Registry("cuda kernels pickled by reference")
@@ -55,11 +68,51 @@ def _reduce_kernel(kernel: Any) -> tuple[Any, tuple[int, int]]:
     return _kernel_by_reference, (os.getpid(), id(kernel))
 
 
+_scope = threading.Lock()
+_entered = 0  # threads inside kernels_by_reference
+_before: Any = None  # the copyreg entry for ElementwiseKernel before the first entered
+
+
+@contextlib.contextmanager
+def kernels_by_reference() -> Iterator[None]:
+    """While entered, ``cupy.ElementwiseKernel`` objects pickle as in-process references
+    (re-entrant, thread-safe; see the module's docstring). The ``copyreg`` table is as it
+    was once no thread is inside.
+
+    Examples
+    --------
+    >>> import copyreg, pickle, cupy
+    >>> k = cupy.ElementwiseKernel("T x", "T y", "y = x", "copy_s")
+    >>> with kernels_by_reference():
+    ...     pickle.loads(pickle.dumps(k)) is k
+    True
+    >>> _guarded or cupy.ElementwiseKernel not in copyreg.dispatch_table
+    True
+    """
+    global _entered, _before
+    with _scope:
+        if _entered == 0 and not _guarded:
+            _before = copyreg.dispatch_table.get(cupy.ElementwiseKernel)
+            copyreg.dispatch_table[cupy.ElementwiseKernel] = _reduce_kernel
+        _entered += 1
+    try:
+        yield
+    finally:
+        with _scope:
+            _entered -= 1
+            if _entered == 0 and not _guarded:
+                if _before is None:
+                    copyreg.dispatch_table.pop(cupy.ElementwiseKernel, None)
+                else:
+                    copyreg.dispatch_table[cupy.ElementwiseKernel] = _before
+
+
 def guard_kernel_pickling() -> None:
     """Make ``cupy.ElementwiseKernel`` objects pickle as in-process references (idempotent).
 
-    Called by :func:`dask_overlap.map_blocks` when CuPy is imported, before Dask pickles
-    the task, and by the cuda backend. See the module's docstring.
+    For code that pickles such kernels itself: it changes pickling for the whole process
+    (dask_overlap itself only enters :func:`kernels_by_reference`). See the module's
+    docstring.
 
     Examples
     --------
@@ -70,7 +123,6 @@ def guard_kernel_pickling() -> None:
     True
     """
     global _guarded
-    if _guarded:
-        return
-    copyreg.pickle(cupy.ElementwiseKernel, _reduce_kernel)
-    _guarded = True
+    with _scope:
+        copyreg.pickle(cupy.ElementwiseKernel, _reduce_kernel)
+        _guarded = True

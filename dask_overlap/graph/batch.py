@@ -161,6 +161,12 @@ class CutBack(MaterializedLayer):
         self.batched, self.chunks, self.meta = batched, chunks, meta
         self.axis, self.k = axis, k
 
+    def renamed(self, name: str, meta: Any) -> CutBack:
+        """The same cut, its keys named ``name``, of a batched layer whose blocks are now
+        like ``meta`` (the layer a step was taken into: the same name, the same grid)."""
+        mapping = {(name, *key[1:]): task for key, task in self.mapping.items()}
+        return CutBack(mapping, self.batched, self.chunks, meta, self.axis, self.k)
+
     def batches(self, graph: HighLevelGraph) -> da.Array:
         """The batched array, from ``graph`` (a graph that holds this layer holds it)."""
         return da.Array(

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..pipeline.layout import own_axis
 from ..pipeline.partition import OUT_MODES
-from .infer import refuse_subclasses
+from .infer import refuse_meta, refuse_subclasses
 
 __all__ = [
     "array_positions",
@@ -76,13 +76,14 @@ def array_positions(arrays: Sequence[Any], chunks: Any) -> tuple[int, ...]:
 def check_inputs(
     arrays: Sequence[Any], positions: tuple[int, ...], enforce_ndim: Any, meta: Any
 ) -> None:
-    """``enforce_ndim`` is a bool; the arrays' blocks are plain arrays that a copy keeps whole
-    and, like ``meta``, of a dtype a device array can hold."""
+    """``enforce_ndim`` is a bool; the arrays' blocks are plain arrays that a copy keeps
+    whole, ``meta`` a NumPy or CuPy array, both of a dtype a device array can hold."""
     if not isinstance(enforce_ndim, bool):
         raise TypeError(f"enforce_ndim must be True or False, got {enforce_ndim!r}")
     refuse_subclasses(arrays, positions)
     for i in positions:
         check_dtype(f"arrays[{i}]", arrays[i].dtype)
+    refuse_meta(meta, "meta")
     if meta is not None and hasattr(meta, "dtype"):
         check_dtype("meta", meta.dtype)
 

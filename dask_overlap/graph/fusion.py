@@ -16,6 +16,9 @@ NumPy function or Dask chunk function), layers whose annotations differ from the
 partition's (a user's ``dask.annotate``), and everything when ``overlap.fuse`` is false.
 A step is taken only where its blocks are the partition's blocks, one to one.
 
+The store step of ``da.store`` (and ``to_zarr``) after a partition ends it too: the
+partition writes its result into the target (see :mod:`~dask_overlap.pipeline.store`).
+
 A reduction's step ends the partition's program and makes it one whole sub-chunk (its
 partial of a sub-chunk would not be the partial of the partition); a partition stage
 whose ``split_axis`` differs from the one before runs whole partitions too.
@@ -29,15 +32,26 @@ from typing import Any
 
 import dask
 import numpy as np
+from dask.array.core import load_store_chunk
 from dask.blockwise import Blockwise
 from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph
+from dask.layers import ArraySliceDep
 from dask.utils import funcname
 
 from ..config import Options
 from ..pipeline.program import PREVIOUS, Call, Program, Template
+from ..pipeline.store import Store, known
 from ..pipeline.task import PartitionTask
-from .rewrite import PARTITION_ANNOTATION, is_task_node, layer_of, retargeted
+from .batch import CutBack
+from .rewrite import (
+    PARTITION_ANNOTATION,
+    is_task_node,
+    layer_of,
+    rerouted,
+    retargeted,
+    with_argument,
+)
 
 __all__ = ["explain", "fuse", "install", "optimize"]
 
@@ -71,11 +85,14 @@ def _own_annotations(layer: Any) -> dict:
     return {k: v for k, v in (layer.annotations or {}).items() if k != PARTITION_ANNOTATION}
 
 
-def _reads_blockwise(layer: Blockwise, name: str, producer: Blockwise) -> bool:
-    """Whether ``layer`` reads ``name`` (made by ``producer``) once, block for block (the
+def _grid(layer: Blockwise) -> tuple[int, ...]:
+    return tuple(layer.dims[i] for i in layer.output_indices)
+
+
+def _reads_blockwise(layer: Blockwise, name: str, grid: tuple[int, ...]) -> bool:
+    """Whether ``layer`` reads ``name`` (of blocks on ``grid``) once, block for block (the
     same index, the same grid), and no other array."""
     arrays = [(v, i) for v, i in layer.indices if i is not None and v not in layer.io_deps]
-    grid = tuple(producer.dims[i] for i in producer.output_indices)
     return (
         len(arrays) == 1
         and arrays[0] == (name, layer.output_indices)
@@ -123,18 +140,101 @@ def _stage_of_template(layer: Blockwise, name: str) -> Template | None:
     return Template(layer.output, task, token, constants)
 
 
-def _result_dtype(step: Template, task: PartitionTask) -> Any:
-    """The dtype of ``step``'s output on blocks of the partition's (run on one element of
-    NumPy, as Dask infers a meta), or ``None`` where that says nothing (no dtype known
-    before it, a partial that is not an array)."""
+def _argument_positions(layer: Blockwise, task: PartitionTask) -> dict[str, int]:
+    """The arrays ``layer`` (a partition layer) reads, by name, with the position of the
+    argument each is to the partition's ``func`` (as :func:`_stage_of_partition` counts)."""
+    positions, n = {}, 0
+    for value, index in layer.indices:
+        if value is task or (index is None and isinstance(value, tuple)):
+            continue
+        if index is not None and value in layer.io_deps:
+            continue
+        if index is not None:
+            positions[value] = n
+        n += 1
+    return positions
+
+
+def _elementwise_input(layer: Any) -> str | None:
+    """The one array ``layer`` reads where it is an elementwise Dask step that can run on
+    a partition's device blocks (block for block, the same grid, no axis), else ``None``."""
+    if not isinstance(layer, Blockwise) or partition_task(layer) is not None or layer.io_deps:
+        return None
+    if layer.concatenate or layer.new_axes or "axis" in layer.task.kwargs:
+        return None
+    arrays = [(v, i) for v, i in layer.indices if i is not None]
+    grid = _grid(layer)
+    if len(arrays) != 1 or arrays[0][1] != layer.output_indices:
+        return None
+    if tuple(layer.numblocks.get(arrays[0][0], ())) != grid:
+        return None
+    return arrays[0][0]
+
+
+def _take_before(
+    layers: dict, name: str, layer: Blockwise, task: PartitionTask, producer: str
+) -> Blockwise | None:
+    """``layer`` (a partition layer) with the elementwise step ``producer`` (which only
+    it reads) taken in, run on the device before its ``func``; ``None`` where it cannot."""
+    step_layer = layers.get(producer)
+    source = _elementwise_input(step_layer)
+    if source is None or _own_annotations(step_layer) != _own_annotations(layer):
+        return None
+    position = _argument_positions(layer, task).get(producer)
+    if position is None or [v for v, _ in layer.indices].count(producer) != 1:
+        return None
+    step = _stage_of_template(step_layer, source)
+    if step is None:
+        return None
+    fused = task.preceded(position, step)
+    return rerouted(layer, task, fused, producer, source)
+
+
+def _probe(step: Template, task: PartitionTask) -> Any:
+    """``step``'s output on one element of NumPy like the partition's blocks (as Dask infers
+    a meta), or ``None`` where that says nothing (no dtype known before it, an error)."""
     if task.out_dtype is None or task.out_chunks is None:
         return None
     try:
         with np.errstate(all="ignore"):
-            got = step(np.ones((1,) * len(task.out_chunks), dtype=task.out_dtype))
+            return step(np.ones((1,) * len(task.out_chunks), dtype=task.out_dtype))
     except Exception:
         return None
-    return getattr(got, "dtype", None)
+
+
+def _result_dtype(step: Template, task: PartitionTask) -> Any:
+    """The dtype of ``step``'s output on blocks of the partition's, or ``None`` where not
+    known (see :func:`_probe`; a partial that is not an array has none)."""
+    return getattr(_probe(step, task), "dtype", None)
+
+
+def _reduced_axes(layer: Blockwise) -> tuple:
+    """The axes a Dask step reduces (a reduction's first step), ``()`` for none."""
+    axis = layer.task.kwargs.get("axis", ())
+    return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def _absorb_through(
+    consumer: Any, cut_name: str, cut: CutBack, layer: Blockwise, task: PartitionTask
+) -> tuple[PartitionTask, np.dtype] | None:
+    """The partition task of ``layer`` (whose batches ``cut`` cuts back into blocks) with
+    ``consumer``'s Dask step taken in, run on each batch before the cut, and the dtype of
+    its output; ``None`` where the step is not one that can be (an elementwise step, or a
+    reduction's first step over axes other than the cut's, whose partial is an array)."""
+    if not isinstance(consumer, Blockwise) or partition_task(consumer) is not None:
+        return None
+    if consumer.io_deps or _own_annotations(consumer) != _own_annotations(layer):
+        return None
+    if not _reads_blockwise(consumer, cut_name, _grid(consumer)):
+        return None
+    step = _stage_of_template(consumer, cut_name)
+    reduces = _reduced_axes(consumer)
+    if step is None or cut.axis in reduces:
+        return None
+    probe = _probe(step, task)
+    if not isinstance(probe, np.ndarray):
+        return None  # (a mean's partial is a dict: it cannot be cut)
+    return task.absorbed(step, None, bool(reduces), probe.dtype, reduces), probe.dtype
 
 
 def _absorb(
@@ -144,7 +244,7 @@ def _absorb(
     ``None`` where ``consumer`` is not such a step (see the module docstring)."""
     if not isinstance(consumer, Blockwise) or _own_annotations(consumer) != _own_annotations(layer):
         return None
-    if not _reads_blockwise(consumer, name, layer):
+    if not _reads_blockwise(consumer, name, _grid(layer)):
         return None
     next_task = partition_task(consumer)
     if next_task is not None:
@@ -154,14 +254,44 @@ def _absorb(
         fused = task.absorbed(step, next_task, next_task.split_axis != task.split_axis)
         return fused
     if consumer.io_deps:
-        return None
+        return _store_of(consumer, task)
     step = _stage_of_template(consumer, name)
     if step is None:
         return None
-    axis = consumer.task.kwargs.get("axis", ())  # a reduction's first step: its axes
-    reduces = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    reduces = _reduced_axes(consumer)  # a reduction's first step: its axes
     dtype = _result_dtype(step, task)
     return task.absorbed(step, None, bool(reduces), dtype, reduces)
+
+
+def _store_target(layer: Blockwise) -> tuple[bool, Any]:
+    """Whether ``layer`` is the store step of ``da.store`` (Dask's ``load_store_chunk`` on
+    each block, the block's slice from an ``ArraySliceDep``), and the value it gives as
+    the target: a constant, or a reference to the key that holds it (Dask puts a large
+    array, or a ``Delayed`` target, in a key of its own)."""
+    t = layer.task
+    if t.func is not load_store_chunk or len(t.args) < 2:
+        return False, None
+    slices = [v for v, i in layer.indices if i is not None and v in layer.io_deps]
+    if len(slices) != 1 or not isinstance(layer.io_deps[slices[0]], ArraySliceDep):
+        return False, None
+    ref = getattr(t.args[1], "key", "")
+    if not isinstance(ref, str) or not ref.startswith("__dask_blockwise__"):
+        return False, None
+    value, index = layer.indices[int(ref.removeprefix("__dask_blockwise__"))]
+    return index is None, value
+
+
+def _store_of(layer: Blockwise, task: PartitionTask) -> PartitionTask | None:
+    """The partition task that also does ``layer``'s work where ``layer`` is a store step
+    (see :func:`_store_target`) whose options are given as they are; else ``None``."""
+    is_store, _ = _store_target(layer)
+    kw = layer.task.kwargs
+    if not is_store or task.out_mode == "device" or not known(task.out_chunks):
+        return None
+    if any(is_task_node(v) for v in kw.values()):
+        return None
+    store = Store(kw["region"], kw["lock"], kw["return_stored"], kw["load_stored"])
+    return task.stored(store, layer.output)
 
 
 def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
@@ -184,18 +314,64 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
                 readers.setdefault(dep, set()).add(name)
         for name, layer in list(layers.items()):
             task = partition_task(layer)
-            if task is None or name in wanted or len(readers.get(name, ())) != 1:
+            if task is None:
+                continue
+            for producer in deps.get(name, ()):
+                if producer in wanted or readers.get(producer) != {name}:
+                    continue
+                fused_layer = _take_before(layers, name, layer, task, producer)
+                if fused_layer is not None:
+                    layers[name] = fused_layer
+                    deps[name] = (deps[name] - {producer}) | deps.pop(producer)
+                    del layers[producer]
+                    changed = True
+                    break
+            if changed:
+                break  # the readers changed: look again
+            if name in wanted or len(readers.get(name, ())) != 1:
                 continue
             (reader,) = readers[name]
+            if isinstance(layers[reader], CutBack):
+                changed = _fuse_through(layers, deps, readers, wanted, name, reader)
+                if changed:
+                    break
+                continue
             fused = _absorb(layers[reader], name, layer, task)
             if fused is None:
                 continue
-            layers[reader] = retargeted(layer, task, fused, reader, _own_annotations(layer))
-            deps[reader] = deps.pop(name)
+            fused_layer = retargeted(layer, task, fused, reader, _own_annotations(layer))
+            if fused.store is not None and task.store is None:  # its target: one more argument
+                fused_layer = with_argument(fused_layer, _store_target(layers[reader])[1])
+                if fused_layer is None:  # pragma: no cover - another Dask
+                    continue
+            layers[reader] = fused_layer
+            deps[reader] = deps.pop(name) | (deps[reader] - {name})  # (a store's target)
             del layers[name]
             changed = True
             break  # the readers changed: look again
     return HighLevelGraph(layers, deps)
+
+
+def _fuse_through(
+    layers: dict, deps: dict, readers: dict, wanted: set, name: str, cut_name: str
+) -> bool:
+    """Take the one reader of ``cut_name`` (a :class:`CutBack` of the batched partition
+    layer ``name``) into the partitions, before the cut, which is then named as that reader
+    was; whether it was taken (``layers`` and ``deps`` changed in place)."""
+    cut, layer = layers[cut_name], layers[name]
+    if cut.batched != name or cut_name in wanted or len(readers.get(cut_name, ())) != 1:
+        return False
+    (consumer,) = readers[cut_name]
+    task = partition_task(layer)
+    fused = _absorb_through(layers[consumer], cut_name, cut, layer, task)
+    if fused is None:
+        return False
+    fused_task, dtype = fused
+    layers[name] = retargeted(layer, task, fused_task, name, _own_annotations(layer))
+    layers[consumer] = cut.renamed(consumer, cut.meta.astype(dtype))
+    deps[consumer] = {name}
+    del layers[cut_name], deps[cut_name]
+    return True
 
 
 def optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:
@@ -249,6 +425,8 @@ def explain(*collections: Any) -> str:
         if task is None:
             continue
         steps = task.func.names if isinstance(task.func, Program) else [funcname(task.func)]
+        if task.store is not None:
+            steps = [*steps, "store"]
         n = int(np.prod([layer.dims[i] for i in layer.output_indices]))
         what = " -> ".join(steps)
         how = f" (fused: {len(steps)} steps, one copy in and one out)" if len(steps) > 1 else ""

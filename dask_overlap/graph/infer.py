@@ -4,6 +4,10 @@
   ``np.matrix``'s shapes) would be lost by the copies to the device, so they are refused
   with a ``TypeError`` that names the argument (the rule is the worker's,
   :func:`dask_overlap.pipeline.results.refusal`, which refuses such a block at run time).
+- The output's blocks: a ``meta`` given, or what ``func`` returns on empty blocks where
+  Dask infers one, must be a NumPy or CuPy array; a sparse or pandas one (which Dask
+  would map as such) would not survive the copies, so it is refused with a ``TypeError``
+  that says what it is (:func:`refuse_meta`).
 - The output's dtype, when not given: Dask calls ``func`` on tiny NumPy blocks. A ``func``
   written for the GPU may only accept CuPy arrays (any ``cupyx.scipy`` call), so where the
   backend resolves to ``cuda`` in this process a failed NumPy attempt is retried on CuPy
@@ -22,7 +26,7 @@ from dask.utils import funcname
 
 from ..pipeline.results import refusal
 
-__all__ = ["infer_dtype", "refuse_subclasses"]
+__all__ = ["infer_dtype", "refuse_meta", "refuse_subclasses"]
 
 
 def refuse_subclasses(arrays: Sequence[Any], positions: Sequence[int]) -> None:
@@ -40,6 +44,38 @@ def refuse_subclasses(arrays: Sequence[Any], positions: Sequence[int]) -> None:
         why = refusal(getattr(arrays[i], "_meta", None))
         if why is not None:
             raise TypeError(f"arrays[{i}] is {why}")
+
+
+def _dense(x: Any) -> bool:
+    """A NumPy array or scalar, or a CuPy one (known by its module: CuPy is not imported)."""
+    return isinstance(x, (np.ndarray, np.generic)) or type(x).__module__.split(".")[0] == "cupy"
+
+
+def refuse_meta(meta: Any, what: str) -> None:
+    """Raise ``TypeError`` where ``meta`` says the output's blocks are arrays of another
+    library than NumPy or CuPy (sparse, pandas...), which dask_overlap cannot return;
+    ``what`` names it in the message. A ``meta`` that is no array at all (``None``, a
+    Python scalar) says nothing and passes, and so does a NumPy subclass, whose data come
+    back as an ordinary array.
+
+    Examples
+    --------
+    >>> refuse_meta(np.ma.masked_array([]), "meta")
+    >>> class Frame:
+    ...     shape, dtype = (0,), np.dtype("f8")
+    >>> refuse_meta(Frame(), "meta")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: meta is a ...Frame, expected a NumPy or CuPy array: ...
+    """
+    if _dense(meta) or not (hasattr(meta, "shape") and hasattr(meta, "dtype")):
+        return
+    kind = f"{type(meta).__module__}.{type(meta).__qualname__}"
+    raise TypeError(
+        f"{what} is a {kind}, expected a NumPy or CuPy array: dask_overlap's blocks are "
+        "dense arrays, copied between host and device as such; use dask.array.map_blocks "
+        "for sparse, pandas or other kinds of blocks"
+    )
 
 
 def _ones(a: da.Array, xp: Any) -> Any:

@@ -7,21 +7,26 @@ constants, delayed arguments, ``drop_axis``/``new_axis``, ``name``/``token`` and
 ``block_info``/``block_id`` behave exactly as Dask's do. Small blocks are joined into
 batches (:mod:`.batch`), and the layer Dask built is rewritten once
 (:func:`.rewrite.partition_layer`).
+
+Dask's function is the one this module imported, not whatever ``dask.array.map_blocks``
+names when called, so that ``dask.array.map_blocks`` (and ``Array.map_blocks``) may be
+routed here (tests/test_dask_map_blocks.py runs Dask's own tests so) without a loop.
 """
 
 from __future__ import annotations
 
-import sys
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import dask.array as da
 import numpy as np
+from dask.array.core import map_blocks as dask_map_blocks
 from dask.array.utils import compute_meta
 from dask.base import is_dask_collection
 from dask.utils import funcname, has_keyword
 
-from ..backends import resolve_backend
+from ..backends import kernels_kept, resolve_backend
 from ..config import Options
 from ..pipeline.task import PartitionTask, PartitionTaskWithInfo
 from .batch import auto_batch, joined, split_arrays, unbatched, worker_budget
@@ -37,7 +42,7 @@ from .checks import (
     check_split_axis,
 )
 from .fusion import install as install_fusion
-from .infer import infer_dtype
+from .infer import infer_dtype, refuse_meta
 from .rewrite import partition_layer
 
 __all__ = ["map_blocks"]
@@ -55,17 +60,6 @@ def _out_axis(ndim: int, axis: int, drop_axis: list[int], new_axis: list[int], c
     return labels.index(ndim - 1 - axis)
 
 
-def _guard_gpu_kernels() -> None:
-    """Before Dask pickles ``func``: CuPy kernels it closes over must not be copied in-process
-    (see :mod:`dask_overlap.backends.kernel_pickling`). Only when CuPy is already
-    imported, so CPU-only use never imports it."""
-    if "cupy" not in sys.modules:
-        return
-    from ..backends.kernel_pickling import guard_kernel_pickling
-
-    guard_kernel_pickling()
-
-
 def _inferred_dtype_and_meta(
     func: Callable[..., Any], arrays: Sequence[Any], kwargs: dict, dtype: Any, backend: str
 ) -> tuple[Any, Any]:
@@ -78,6 +72,7 @@ def _inferred_dtype_and_meta(
         meta = compute_meta(func, dtype, *arrays, **kwargs)
     except Exception:
         meta = None
+    refuse_meta(meta, f"{funcname(func)}'s output on empty NumPy blocks (Dask's meta)")
     if dtype is None:
         if any(is_dask_collection(a) and not isinstance(a, da.Array) for a in arrays):
             # Dask infers ``object`` here (func runs on the delayed object itself),
@@ -129,6 +124,7 @@ def _partition_task(
     out_split_axis: int | None,
     out_mode: str,
     batch: int,
+    enforce_ndim: bool,
 ) -> PartitionTask:
     """The task Dask maps over the blocks, asking for ``block_info`` only if ``func`` does."""
     task_type = PartitionTaskWithInfo if has_keyword(func, "block_info") else PartitionTask
@@ -145,6 +141,7 @@ def _partition_task(
         func_block_info=has_keyword(func, "block_info"),
         out_mode=out_mode,
         batch=batch,
+        enforce_ndim=enforce_ndim,
     )
 
 
@@ -169,6 +166,20 @@ def _auto_batch(
     return batch
 
 
+def _keeping_kernels(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with CuPy kernels pickled as references to themselves: Dask's ``tokenize``
+    of ``func`` pickles it and loads the copy (see
+    :mod:`dask_overlap.backends.kernel_pickling`)."""
+
+    @functools.wraps(fn)
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        with kernels_kept():
+            return fn(*args, **kwargs)
+
+    return keeping
+
+
+@_keeping_kernels
 def map_blocks(
     func: Callable[..., Any],
     *arrays: Any,
@@ -209,6 +220,7 @@ def map_blocks(
     enforce_ndim
         Accepted with Dask's meaning, and always in force: every output block's shape
         and dtype are checked against what the array declares, before they are copied.
+        As with Dask, ``True`` and ``False`` give arrays of different names.
     split_axis
         Declares that ``func`` is independent along this axis: each partition is then
         cut along it into sub-chunks of about ``sub_chunk_bytes`` that are pipelined
@@ -265,7 +277,6 @@ def map_blocks(
     check_func(func)
     check_out_mode(out)
     opts = Options.from_config(sub_chunk_bytes=sub_chunk_bytes, in_flight=in_flight)
-    _guard_gpu_kernels()
     positions = array_positions(arrays, chunks)
     check_inputs(arrays, positions, enforce_ndim, meta)
     ndim = max((arrays[i].ndim for i in positions), default=0)
@@ -298,10 +309,12 @@ def map_blocks(
             # The partition tasks are not the array returned: their names say whose
             # blocks they hold (partition i along the axis: blocks i*batch onwards).
             token = f"{token}-batch{batch}"
-    task = _partition_task(func, opts, positions, ndim, split_axis, out_split_axis, out, batch)
+    task = _partition_task(
+        func, opts, positions, ndim, split_axis, out_split_axis, out, batch, enforce_ndim
+    )
     if batch > 1:
         arrays = tuple(joined(arrays, positions, ndim, split_axis, batch))
-    result = da.map_blocks(
+    result = dask_map_blocks(
         task,
         *arrays,
         dtype=dtype,

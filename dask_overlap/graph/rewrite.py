@@ -47,10 +47,10 @@ from dask.core import iskey
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 try:  # Dask's task objects (2024.12 onwards): private, see the module docstring
-    from dask._task_spec import Alias, GraphNode
+    from dask._task_spec import Alias, GraphNode, TaskRef
     from dask._task_spec import Task as _DaskTask
 except ImportError:  # pragma: no cover - an older Dask: aliases stay tasks, tasks fusable
-    Alias = GraphNode = _DaskTask = None
+    Alias = GraphNode = TaskRef = _DaskTask = None
 
 __all__ = [
     "PARTITION_ANNOTATION",
@@ -58,6 +58,8 @@ __all__ = [
     "is_task_node",
     "layer_of",
     "partition_layer",
+    "rerouted",
+    "with_argument",
     "retargeted",
     "skip_aliases",
     "unfused_task",
@@ -212,6 +214,39 @@ def retargeted(
     new.task = unfused_task(layer.task, name)
     new.annotations = {**(annotations or {}), PARTITION_ANNOTATION: name}
     return new
+
+
+def with_argument(layer: Blockwise, value: Any) -> Blockwise | None:
+    """A copy of the partition layer ``layer`` whose task gets ``value`` (a constant, or a
+    reference to a key: Dask computes it first) as one more positional argument, the
+    last; ``None`` where its task is not one of Dask's task objects. ``layer`` itself is
+    left as it is."""
+    t = layer.task
+    if _DaskTask is None or not isinstance(t, _DaskTask):  # pragma: no cover - another Dask
+        return None
+    copied = copy.copy(layer)
+    for cached in ("_cached_dict", "_dims"):
+        copied.__dict__.pop(cached, None)
+    arg = TaskRef(f"__dask_blockwise__{len(layer.indices)}")
+    copied.indices = (*layer.indices, (value, None))
+    copied.task = type(t)(t.key, t.func, *t.args, arg, _data_producer=t.data_producer, **t.kwargs)
+    return copied
+
+
+def rerouted(layer: Blockwise, task: Any, new_task: Any, old: str, new: str) -> Blockwise:
+    """A copy of the partition layer ``layer`` that calls ``new_task`` where it called
+    ``task`` and reads the blocks of ``new`` where it read those of ``old`` (the same grid:
+    the array an elementwise step it took in read); ``layer`` itself is left as it is."""
+    copied = copy.copy(layer)
+    for cached in ("_cached_dict", "_dims"):
+        copied.__dict__.pop(cached, None)
+    copied.indices = tuple(
+        (new_task if v is task else new if v == old else v, i) for v, i in layer.indices
+    )
+    numblocks = dict(layer.numblocks)
+    numblocks[new] = numblocks.pop(old)
+    copied.numblocks = numblocks
+    return copied
 
 
 def unfused_task(template: Any, key: str) -> Any:

@@ -6,7 +6,9 @@ output is an ordinary NumPy array (``"host"``, filled by unstaging or by direct 
 a block of the pinned pool (``"pinned"``, bounded: past its bound an ordinary array,
 counted as a fallback), or device memory (``"device"``). A partition of one sub-chunk
 whose result can be handed on as it is (on the device; or on a backend whose device
-memory is host memory, when nothing went through the ring) has no separate output.
+memory is host memory, when nothing went through the ring) has no separate output. A
+partition that ends in a fused store fills the target's region instead (see
+:mod:`.store`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class PartitionOutput:
             check_declared(
                 spec.func_name, shape, result.dtype, spec.out_shape, spec.out_dtype, spec.key
             )
+            into = spec.into  # a fused store's region of its target: filled in place
+            if into is not None and into.shape == shape and into.dtype == result.dtype:
+                self.array = into
+                return self.lay.out_slice(into, i)
             if not self.lay.cut and (
                 spec.out == "device"
                 or (

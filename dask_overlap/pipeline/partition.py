@@ -75,6 +75,8 @@ class PartitionSpec:
     out: str = "host"
     # Blocks along split_axis that this partition joins (batch=), for errors to name.
     batch: int = 1
+    # A fused store's region of its target, to be the output (see .store); None: none.
+    into: Any = None
 
 
 def run_partition(

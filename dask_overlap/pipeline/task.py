@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 import numpy as np
 from dask.base import tokenize
 from dask.utils import funcname
 
+from ..backends import kernels_kept
 from .current import get_runtime
 from .partition import PartitionSpec, run_partition
 from .program import Program
+from .store import Store
 
 __all__ = ["PartitionTask", "PartitionTaskWithInfo", "axis_extents", "block_shape"]
 
@@ -74,10 +79,14 @@ class PartitionTask:
         func_block_info: bool,
         out_mode: str = "host",
         batch: int = 1,
+        enforce_ndim: bool = False,
     ):
         self.func = func
         self.out_mode = out_mode  # one of OUT_MODES: where each output block is left
         self.batch = batch  # blocks along split_axis a partition joins (for errors)
+        # Dask's enforce_ndim as the call gave it. Every partition checks its output's shape
+        # either way; it is in the token so that the array's name differs as Dask's does.
+        self.enforce_ndim = enforce_ndim
         self.backend = backend
         self.array_positions = array_positions
         self.ndim = ndim
@@ -92,6 +101,7 @@ class PartitionTask:
         self.key_name = funcname(func)
         self.out_chunks: tuple[tuple | None, ...] | None = None  # per axis: see axis_extents
         self.out_dtype: np.dtype | None = None
+        self.store: Store | None = None  # a fused store after the steps (see .store)
 
     def declared(
         self, name: str, chunks: tuple[tuple[float, ...], ...], dtype: Any
@@ -138,10 +148,48 @@ class PartitionTask:
             task.split_axis = task.out_split_axis = None
         return task
 
+    def preceded(self, position: int, step: Any) -> PartitionTask:
+        """A copy of this task whose ``func`` first applies ``step`` (a Dask elementwise
+        step, see :mod:`.program`) to its argument ``position``."""
+        task = copy.copy(self)
+        program = self.func if isinstance(self.func, Program) else Program(self.func)
+        before = ((position, step), *program.before)  # the new step is the earliest
+        task.func = Program(program.first, before, program.then)
+        return task
+
+    def stored(self, store: Store, name: str) -> PartitionTask:
+        """A copy of this task that writes each partition's result as ``store`` says into
+        the target it gets as its last argument (Dask's ``load_store_chunk`` after it,
+        fused), its keys named ``name``."""
+        task = copy.copy(self)
+        task.store, task.key_name = store, name
+        if task.out_mode == "pinned":  # the result lives in the target, not in the pool
+            task.out_mode = "host"
+        return task
+
+    def __copy__(self) -> PartitionTask:
+        # Not through __reduce_ex__ below: a copy shares func as it is.
+        task = type(self).__new__(type(self))
+        task.__dict__.update(self.__dict__)
+        return task
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # func may close over a CuPy kernel that a copy unpickled in this process would
+        # break (an in-process cluster unpickles what the client pickled): the task's
+        # state is pickled with kernels as references (see
+        # dask_overlap.backends.kernel_pickling); as any object where there is no CuPy.
+        if "cupy" not in sys.modules:
+            return super().__reduce_ex__(protocol)
+        with kernels_kept():
+            return _task_from_state, (type(self), cloudpickle.dumps(self.__dict__))
+
     def __dask_tokenize__(self) -> Any:
+        with kernels_kept():  # (tokenize loads what it pickles: see __reduce_ex__)
+            func = tokenize(self.func)
         return (
             type(self).__name__,
-            tokenize(self.func),
+            func,
+            self.enforce_ndim,
             self.backend,
             self.array_positions,
             self.split_axis,
@@ -150,14 +198,20 @@ class PartitionTask:
             self.in_flight,
             self.out_mode,
             self.batch,
+            self.store is not None,
         )
 
     def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
         if self.func_block_id:
             kwargs = dict(kwargs, block_id=block_id)
-        out_shape = None
+        out_shape = into = index = None
         if self.out_chunks is not None and block_id is not None:
             out_shape = block_shape(self.out_chunks, block_id)
+        store, target = self.store, None
+        if store is not None:  # its target is the last argument (see .store)
+            *args, target = args
+            index = store.index(self.out_chunks, block_id or ())
+            into = store.into(target, index)
         # In the fields' order, not by keyword: twelve keywords cost a dataclass's
         # __init__ more than the rest of the spec does, and this runs per partition.
         spec = PartitionSpec(
@@ -174,11 +228,20 @@ class PartitionTask:
             self.out_dtype,
             self.out_mode,  # out
             self.batch,
+            into,
         )
-        return run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
+        result = run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
+        return result if store is None else store.finish(result, target, into, index)
 
     def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
         return self._run(args, block_id, None, kwargs)
+
+
+def _task_from_state(cls: type[PartitionTask], state: bytes) -> PartitionTask:
+    """A partition task from :meth:`PartitionTask.__reduce_ex__`'s pickled state."""
+    task = cls.__new__(cls)
+    task.__dict__.update(pickle.loads(state))
+    return task
 
 
 def _one_each(axis: tuple | None) -> tuple | None:

@@ -1,0 +1,615 @@
+"""Issue 31's evidence: every row of its table in one call, on one card, each beside its
+bound or its reference.
+
+One process, float32 input made by the benchmark, every figure GB/s of input until every
+output chunk exists (``persist``; on the cluster ``distributed.wait``), each case warmed up
+just before it is timed, every result compared element by element with plain Dask's (the
+naive Dask + CuPy path, the same function on NumPy blocks on the host backend; the demo's
+as the demo checks it, to an ulp on the GPU). The
+runtime is built from a case's settings (the pinned pool's size, where results stay in
+it) and built again when the next case's differ. The cases (``--cases`` runs a subset)
+and the rows they write:
+
+- ``default`` (rows ``default_split``, ``default_nosplit``): the path users run, no
+  ``overlap.*`` setting, pageable input in ``--partition`` partitions, the balanced
+  kernel (as long as one partition's H2D), ``dask_overlap.map_blocks(f, x,
+  split_axis=0)`` and without a split, Dask's threaded scheduler with its own threads,
+  against the hand-written pipeline with no Dask (``common.handwritten_runs``: its best
+  over ``--hand-in-flight`` and ``--hand-threads``; CUDA only, the naive path elsewhere);
+- ``gaussian1d``: ``gaussian_filter1d`` along rows (cupyx on the GPU, SciPy on the CPU)
+  with defaults and ``split_axis=0``, against the naive path (``ratio``: the speed-up);
+- ``gaussian3d``: a 3-D ``gaussian_filter`` (sigma 2, no halo) on a volume of 512 x 512
+  planes in ``--partition`` blocks, ``dask_overlap.map_blocks`` with no split, against
+  the default path's elementwise figure on the same blocks (the balanced kernel, no
+  split); also the filter alone on one block resident on the device;
+- ``demo``: the demo's run (``python -m dask_overlap demo``): a ``LocalGPUCluster`` with
+  its defaults, input made on the workers in ``--partition`` chunks (the demo's own at
+  4 GiB: a sixteenth), the demo's kernel with ``split_axis=0``, each best of ``--repeat``,
+  against the same partitions on the default path in this process (Dask's threaded
+  scheduler); ``over_default_split`` beside it when ``default`` ran too;
+- ``small`` (rows ``small_<partition>_<out>``): as ``ci/gpu.sh small`` does: the balanced
+  kernel on pinned input in each ``--small`` partition size, every setting at its default
+  (``batch="auto"``), ``out="host"`` and ``out="pinned"``, ``--small-threads`` Dask
+  threads (the best kept), against the bound;
+- ``pinned``: the opt-in pinned path, as ``bench_overlap.py``'s balanced-pinned case:
+  pinned input, ``out="pinned"``, ``--threads`` Dask threads, a pool that holds the
+  results, ``--pinned-repeat`` runs, each reported in ``runs``; the row's ``gbps`` and
+  ``ratio`` are the slowest run's (the target holds for every run);
+- ``compute``: the same with a kernel three times one partition's H2D, the best run.
+
+The bound of a row is its slowest stage at rates measured in this run
+(``common.bound_seconds``: both ways at once on the GPU, the kernel's own time, the host's
+copies; ``stages_gbps`` gives each stage's). Every row has ``gbps``, ``reference_gbps``
+and ``reference`` (what it is) or ``bound_gbps`` and ``bound_stage``, ``ratio`` (``gbps``
+over either) and ``correct``; the result has ``device``. ``--record`` writes
+``benchmarks/results/limits.json`` and a line of ``history.jsonl``.
+
+The defaults are meant to fit ``ci/gpu.sh limits`` (540 s) on an H200; ``case_seconds``
+says what each case took. Example (the GPU; a smoke test on the CPU)::
+
+    python3 benchmarks/bench_limits.py --record
+    python3 benchmarks/bench_limits.py --backend host --size 16MiB --partition 4MiB \\
+        --small 1MiB=8MiB --cases default,small
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+from dask.utils import format_bytes
+
+import dask_overlap
+from dask_overlap.backends import resolve_backend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    COLS,
+    GB,
+    add_backend,
+    add_output,
+    add_repeat,
+    array_of_views,
+    bound_seconds,
+    byte_count,
+    comma_list,
+    device_name,
+    gaussian_case,
+    handwritten_runs,
+    make_kernel,
+    measure_ceilings,
+    naive,
+    parser,
+    persist_chunks,
+    persist_timed,
+    pinned_copy,
+    pinned_pool_size,
+    random_data,
+    same_chunks,
+    save,
+    warm_then_time,
+    warm_up,
+)
+
+BENCHMARK = "limits"
+#: A plane of the 3-D volume: 512 x 512 float32, 1 MiB.
+PLANE = (512, 512)
+#: The demo's kernel (dask_overlap/demo.py: scale_shift with its default rounds).
+DEMO_KERNEL = {"scale": 2.5, "shift": 1.0, "rounds": 2}
+THREADED = {"scheduler": "threads"}
+
+
+# -- rows --------------------------------------------------------------------------------
+
+
+def against_reference(
+    gbps: float, reference_gbps: float, reference: str, correct: bool, **extra: Any
+) -> dict[str, Any]:
+    """A row whose figure is set against another path's (``reference`` says which)."""
+    return {
+        "gbps": gbps,
+        "reference_gbps": reference_gbps,
+        "reference": reference,
+        "ratio": gbps / reference_gbps,
+        "correct": bool(correct),
+        **extra,
+    }
+
+
+def against_bound(
+    gbps: float, bound_gbps: float, bound_stage: str, correct: bool, **extra: Any
+) -> dict[str, Any]:
+    """A row whose figure is set against the bound (its slowest stage, ``bound_stage``)."""
+    return {
+        "gbps": gbps,
+        "bound_gbps": bound_gbps,
+        "bound_stage": bound_stage,
+        "ratio": gbps / bound_gbps,
+        "correct": bool(correct),
+        **extra,
+    }
+
+
+def rows_of(nbytes: int, row_bytes: int = 4 * COLS) -> int:
+    """Whole rows of ``row_bytes`` in ``nbytes``, at least one."""
+    return max(1, nbytes // row_bytes)
+
+
+_CALIBRATED: dict[tuple, tuple[dict, float, int]] = {}
+
+
+def calibrated(rt: Any, block: np.ndarray, workload: str) -> tuple[Callable, dict, float]:
+    """The benchmarks' kernel for ``workload`` on partitions like ``block``, the stage
+    rates and its seconds per partition (``common.measure_ceilings``), measured once per
+    backend, shape and workload in this run."""
+    key = (rt.name, block.shape, workload)
+    if key not in _CALIBRATED:
+        _CALIBRATED[key] = measure_ceilings(rt, block, workload)
+    ceilings, kernel_s, iterations = _CALIBRATED[key]
+    return make_kernel(iterations), ceilings, kernel_s
+
+
+# -- the default path --------------------------------------------------------------------
+
+
+def case_default(args: argparse.Namespace) -> dict[str, dict]:
+    """``default_split`` and ``default_nosplit`` against the hand-written pipeline."""
+    rt = dask_overlap.get_runtime(args.backend)  # no overlap.* setting
+    host = random_data((rows_of(args.size), COLS))
+    rows_per_part = rows_of(args.partition)
+    func, _, _ = calibrated(rt, host[:rows_per_part], "balanced")
+    x = array_of_views(host, rows_per_part)
+    naive_s, ref = warm_then_time(naive(x, func), 1, **THREADED)
+    figures = {}
+    for name, split in (("default_split", 0), ("default_nosplit", None)):
+        arr = dask_overlap.map_blocks(func, x, split_axis=split, dtype=np.float32)
+        seconds, got = warm_then_time(arr, args.repeat, **THREADED)
+        figures[name] = (host.nbytes / seconds / GB, same_chunks(ref, got))
+        del got
+    extra: dict[str, Any] = {"naive_gbps": host.nbytes / naive_s / GB}
+    if rt.name == "cuda":
+        hand = handwritten_runs(
+            host, func, ref, args.hand_in_flight, args.hand_threads, args.repeat
+        )
+        top = max(hand, key=lambda h: h["gbps"])
+        base = top["gbps"]
+        what = f"hand-written pipeline, {top['in_flight']} in flight, {top['threads']} threads"
+        extra["handwritten"] = hand
+        extra["reference_correct"] = all(h["ok"] for h in hand)
+    else:
+        base, what = extra["naive_gbps"], "naive Dask (the hand-written pipeline is CUDA only)"
+    rows = {
+        name: against_reference(gbps, base, what, ok, **extra)
+        for name, (gbps, ok) in figures.items()
+    }
+    rows["default_split"]["over_nosplit"] = (
+        figures["default_split"][0] / figures["default_nosplit"][0]
+    )
+    return rows
+
+
+def case_gaussian1d(args: argparse.Namespace) -> dict[str, dict]:
+    """``gaussian_filter1d`` along rows with defaults against the naive path."""
+    g = gaussian_case(args.size, rows_of(args.partition), args.repeat)
+    row = against_reference(
+        g["default_gbps"],
+        g["naive_gbps"],
+        "naive Dask + CuPy (the ratio is the speed-up)",
+        g["correct"],
+        nosplit_gbps=g["nosplit_gbps"],
+    )
+    return {"gaussian1d": row}
+
+
+# -- a real filter on whole partitions ---------------------------------------------------
+
+
+def gaussian_volume(block: Any) -> Any:
+    """A 3-D ``gaussian_filter`` (sigma 2, boundary ``reflect``) of a block, on CuPy or
+    NumPy alike: every output point reads its neighbours along every axis."""
+    if isinstance(block, np.ndarray):
+        from scipy.ndimage import gaussian_filter
+    else:
+        from cupyx.scipy.ndimage import gaussian_filter
+    return gaussian_filter(block, 2.0)
+
+
+def filter_alone_gbps(block: np.ndarray, backend: str, repeat: int = 3) -> float:
+    """:func:`gaussian_volume` on ``block`` already on the device (on the host backend,
+    in host memory): GB/s of its bytes, the best of ``repeat`` after a first call."""
+    if backend == "cuda":
+        import cupy
+
+        data = cupy.asarray(block)
+        sync = cupy.cuda.Device().synchronize
+    else:
+        data, sync = block, (lambda: None)
+    gaussian_volume(data)  # compilation, the pool's first blocks
+    sync()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        gaussian_volume(data)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return block.nbytes / best / GB
+
+
+def case_gaussian3d(args: argparse.Namespace) -> dict[str, dict]:
+    """The 3-D filter with no split against the elementwise kernel on the same blocks."""
+    rt = dask_overlap.get_runtime(args.backend)  # no overlap.* setting
+    plane_bytes = 4 * PLANE[0] * PLANE[1]
+    host = random_data((rows_of(args.size, plane_bytes), *PLANE))
+    per_block = rows_of(args.partition, plane_bytes)
+    x = array_of_views(host, per_block)
+    block = host[:per_block]
+    alone = filter_alone_gbps(block, rt.name)
+    func, _, _ = calibrated(rt, block.reshape(-1, COLS), "balanced")
+    seconds, correct = {}, {}
+    for name, fn in (("filter", gaussian_volume), ("elementwise", func)):
+        naive_s, ref = warm_then_time(naive(x, fn), 1, **THREADED)
+        seconds[f"{name}_naive"] = naive_s
+        ours = dask_overlap.map_blocks(fn, x, dtype=np.float32)  # no split: whole blocks
+        seconds[name], got = warm_then_time(ours, args.repeat, **THREADED)
+        correct[name] = same_chunks(ref, got)
+        del ref, got
+    gbps = {k: host.nbytes / s / GB for k, s in seconds.items()}
+    row = against_reference(
+        gbps["filter"],
+        gbps["elementwise"],
+        "the default path's elementwise figure: the balanced kernel on the same blocks, no split",
+        correct["filter"],
+        reference_correct=correct["elementwise"],
+        naive_gbps=gbps["filter_naive"],
+        filter_alone_gbps=alone,
+        volume_shape=list(host.shape),
+        block_bytes=block.nbytes,
+    )
+    return {"gaussian3d": row}
+
+
+# -- the demo ----------------------------------------------------------------------------
+
+
+def demo_input(rows: int, rows_per_part: int) -> da.Array:
+    """The demo's input: the same values wherever it is made."""
+    return da.random.default_rng(42).random(
+        (rows, COLS), chunks=(rows_per_part, COLS), dtype=np.float32
+    )
+
+
+def equals_plain_dask(done: da.Array, x: da.Array, gpu: bool) -> bool:
+    """The demo's check: ``done`` against ``dask.array.map_blocks`` of its kernel on NumPy
+    blocks (on the GPU, to an ulp: CuPy may round differently)."""
+    from dask_overlap.demo import scale_shift
+
+    reference = da.map_blocks(scale_shift, x, **DEMO_KERNEL)
+    return bool(da.allclose(done, reference, rtol=1e-6 if gpu else 0, atol=0).compute())
+
+
+def demo_threaded(args: argparse.Namespace, rows: int, rows_per_part: int) -> tuple[float, bool]:
+    """The demo's partitions on the default path in this process: GB/s and the check."""
+    from dask_overlap.demo import scale_shift
+
+    rt = dask_overlap.get_runtime(args.backend)  # no overlap.* setting
+    (x,) = dask.persist(demo_input(rows, rows_per_part), **THREADED)
+    arr = dask_overlap.map_blocks(scale_shift, x, split_axis=0, **DEMO_KERNEL)
+    warm_up(arr, **THREADED)
+    seconds, done = float("inf"), None
+    for _ in range(args.repeat):
+        done = None  # the last run's result goes before the next run
+        s, done = persist_timed(arr, **THREADED)
+        seconds = min(seconds, s)
+    return rows * COLS * 4 / seconds / GB, equals_plain_dask(done, x, rt.name == "cuda")
+
+
+def case_demo(args: argparse.Namespace) -> dict[str, dict]:
+    """The demo's LocalGPUCluster run against the same partitions on the threaded scheduler."""
+    from distributed import Client, wait
+
+    from dask_overlap.demo import naive_scale_shift, scale_shift
+
+    rows, rows_per_part = rows_of(args.size), rows_of(args.partition)
+    nbytes = rows * COLS * 4
+    threaded_gbps, threaded_ok = demo_threaded(args, rows, rows_per_part)
+    with (
+        dask_overlap.LocalGPUCluster(allow_cpu=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        x = client.persist(demo_input(rows, rows_per_part))  # made on the workers
+        wait(x)
+        warm = 2 * rows_per_part
+        naive_arr = da.map_blocks(naive_scale_shift, x, **DEMO_KERNEL)
+        arr = dask_overlap.map_blocks(scale_shift, x, split_axis=0, **DEMO_KERNEL)
+        wait(client.persist(naive_arr[:warm]))
+        naive_s = persist_timed(naive_arr, client)[0]  # its result dropped at once
+        wait(client.persist(arr[:warm]))
+        seconds, done = float("inf"), None
+        for _ in range(args.repeat):
+            done = None
+            s, done = persist_timed(arr, client)
+            seconds = min(seconds, s)
+        backends = {s["backend"] for s in client.run(dask_overlap.runtime_stats).values()}
+        correct = equals_plain_dask(done, x, backends == {"cuda"})
+        nthreads = client.nthreads()
+        del done, x
+    row = against_reference(
+        nbytes / seconds / GB,
+        threaded_gbps,
+        "the same partitions and kernel on the default path in this process (threaded scheduler)",
+        correct,
+        reference_correct=threaded_ok,
+        naive_gbps=nbytes / naive_s / GB,
+        speedup_vs_naive=naive_s / seconds,
+        workers=len(nthreads),
+        threads_per_worker=max(nthreads.values()),
+        worker_backends=sorted(backends),
+    )
+    return {"demo": row}
+
+
+# -- the bound: pinned input -------------------------------------------------------------
+
+
+def pinned_runs(
+    args: argparse.Namespace,
+    workload: str,
+    out: str,
+    size: int,
+    partition: int,
+    threads: list[int],
+    repeat: int,
+) -> dict[str, Any]:
+    """As ``bench_overlap.py --pinned-input --out OUT`` (``split_axis=0``, every other
+    setting at its default, the pool large enough to hold what ``out`` keeps): every
+    timed run (``repeat`` for each of ``threads``) with its ratio to the bound, and the
+    bound."""
+    rows, rows_per_part = rows_of(size), rows_of(partition)
+    nbytes = rows * COLS * 4
+    pool = pinned_pool_size(nbytes, out, True, args.backend)
+    with dask.config.set({"overlap.pinned-pool-size": pool}):
+        rt = dask_overlap.get_runtime(args.backend)
+        host = pinned_copy(rt, random_data((rows, COLS)))
+        func, ceilings, kernel_s = calibrated(rt, host[:rows_per_part], workload)
+        bound_s, stage, stages = bound_seconds(
+            nbytes, nbytes, kernel_s * rows / rows_per_part, ceilings, False, out == "host"
+        )
+        x = array_of_views(host, rows_per_part)
+        naive_s, ref = warm_then_time(naive(x, func), 1, **THREADED)
+        arr = dask_overlap.map_blocks(func, x, split_axis=0, dtype=np.float32, out=out)
+        runs = []
+        for t in threads:
+            warm_up(arr, scheduler="threads", num_workers=t)
+            for _ in range(repeat):
+                got = None  # the last run's results leave the pool first
+                cpu0 = time.process_time()
+                seconds, got = persist_chunks(arr, scheduler="threads", num_workers=t)
+                cpu = time.process_time() - cpu0
+                runs.append(
+                    {
+                        "threads": t,
+                        "gbps": nbytes / seconds / GB,
+                        "ratio": bound_s / seconds,
+                        "host_us_per_partition": cpu / x.numblocks[0] * 1e6,
+                        "correct": same_chunks(ref, got),
+                    }
+                )
+            del got
+    return {
+        "runs": runs,
+        "bound_gbps": nbytes / bound_s / GB,
+        "bound_stage": stage,
+        "stages_gbps": {k: nbytes / v / GB for k, v in stages.items() if v > 0},
+        "naive_gbps": nbytes / naive_s / GB,
+        "size_bytes": nbytes,
+        "partition_bytes": rows_per_part * COLS * 4,
+        "partitions": x.numblocks[0],
+    }
+
+
+def bound_row(measured: dict[str, Any], pick: Callable) -> dict[str, Any]:
+    """A row of :func:`pinned_runs`: the run ``pick`` chooses (``min`` or ``max`` by GB/s)."""
+    runs = measured["runs"]
+    chosen = pick(runs, key=lambda r: r["gbps"])
+    extra = {k: v for k, v in measured.items() if k not in ("bound_gbps", "bound_stage")}
+    return against_bound(
+        chosen["gbps"],
+        measured["bound_gbps"],
+        measured["bound_stage"],
+        all(r["correct"] for r in runs),
+        threads=chosen["threads"],
+        host_us_per_partition=chosen["host_us_per_partition"],
+        **extra,
+    )
+
+
+def case_pinned(args: argparse.Namespace) -> dict[str, dict]:
+    """The opt-in pinned path, every run of ``--pinned-repeat``; the row is the slowest."""
+    measured = pinned_runs(
+        args, "balanced", "pinned", args.size, args.partition, args.threads, args.pinned_repeat
+    )
+    row = bound_row(measured, min)
+    row["ratio_each_run"] = [r["ratio"] for r in measured["runs"]]
+    row["best_gbps"] = max(r["gbps"] for r in measured["runs"])
+    return {"pinned": row}
+
+
+def case_compute(args: argparse.Namespace) -> dict[str, dict]:
+    """A kernel three times a partition's H2D on the pinned path; the best run."""
+    measured = pinned_runs(
+        args, "compute", "pinned", args.size, args.partition, args.threads, args.repeat
+    )
+    return {"compute": bound_row(measured, max)}
+
+
+def case_small(args: argparse.Namespace) -> dict[str, dict]:
+    """Each ``--small`` partition size, ``out="host"`` then ``out="pinned"``."""
+    rows = {}
+    for out in ("host", "pinned"):
+        for partition, size in args.small:
+            name = f"small_{format_bytes(partition).replace(' ', '').replace('.00', '')}_{out}"
+            measured = pinned_runs(
+                args, "balanced", out, size, partition, args.small_threads, args.repeat
+            )
+            rows[name] = bound_row(measured, max)
+    return rows
+
+
+# -- the run -----------------------------------------------------------------------------
+
+#: In this order, so that cases with the same settings follow each other.
+CASES: dict[str, Callable[[argparse.Namespace], dict[str, dict]]] = {
+    "default": case_default,
+    "gaussian1d": case_gaussian1d,
+    "gaussian3d": case_gaussian3d,
+    "demo": case_demo,
+    "small": case_small,
+    "pinned": case_pinned,
+    "compute": case_compute,
+}
+
+
+def small_sizes(text: str) -> list[tuple[int, int]]:
+    """An argparse type: ``PARTITION=SIZE`` pairs, a comma list (``16MiB=2GiB,4MiB=1GiB``)."""
+    pairs = []
+    for item in comma_list(text, str):
+        partition, sep, size = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(
+                f"expected PARTITION=SIZE pairs such as 16MiB=2GiB, got {item!r}"
+            )
+        pairs.append((byte_count(partition), byte_count(size)))
+    return pairs
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+    return n
+
+
+def arguments(argv: list[str] | None) -> argparse.Namespace:
+    p = parser(__doc__)
+    add_backend(p, "auto", ["auto", "cuda", "host"])
+    p.add_argument("--size", type=byte_count, default="4GiB", help="input bytes of the large cases")
+    p.add_argument(
+        "--partition", type=byte_count, default="256MiB", help="bytes per partition (large cases)"
+    )
+    p.add_argument(
+        "--small",
+        type=small_sizes,
+        default="16MiB=2GiB,4MiB=1GiB",
+        help="small partitions and their input bytes, PARTITION=SIZE pairs",
+    )
+    add_repeat(p, 2)
+    p.add_argument("--pinned-repeat", type=positive, default=3, help="runs of the pinned case")
+    p.add_argument("--threads", default="4", help="Dask threads of the pinned and compute cases")
+    p.add_argument("--small-threads", default="4,8", help="Dask threads of the small cases")
+    p.add_argument("--hand-in-flight", default="8", help="hand-written: chunks in flight")
+    p.add_argument("--hand-threads", default="16", help="hand-written: copy threads")
+    p.add_argument("--cases", default=",".join(CASES), help="a comma list of cases to run")
+    add_output(p)
+    args = p.parse_args(argv)
+    cases = comma_list(args.cases, str)
+    unknown = [c for c in cases if c not in CASES]
+    if unknown or not cases:
+        p.error(f"--cases: expected a comma list of {', '.join(CASES)}, got {args.cases!r}")
+    if args.repeat < 1:
+        p.error(f"--repeat: expected an integer of at least 1, got {args.repeat}")
+    args.cases = [c for c in CASES if c in cases]
+    for name in ("size", "partition"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}: expected a byte count of at least 1, got {getattr(args, name)}")
+    for name in ("threads", "small_threads", "hand_in_flight", "hand_threads"):
+        flag, text = f"--{name.replace('_', '-')}", getattr(args, name)
+        try:
+            setattr(args, name, comma_list(text, positive))
+        except argparse.ArgumentTypeError as e:
+            p.error(f"{flag}: {e}")
+        if not getattr(args, name):
+            p.error(f"{flag}: expected a comma list of integers of at least 1, got {text!r}")
+    args.backend = resolve_backend(args.backend)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = arguments(argv)
+    rows: dict[str, dict] = {}
+    case_seconds = {}
+    with dask.config.set({"overlap.backend": args.backend}):
+        for name in args.cases:
+            print(f"== {name}", flush=True)
+            t0 = time.perf_counter()
+            done = CASES[name](args)
+            case_seconds[name] = time.perf_counter() - t0
+            for row_name, row in done.items():  # as it comes: a run cut short still says it
+                print(row_line(row_name, row), flush=True)
+            rows.update(done)
+        dask_overlap.close_runtimes()
+    if "default_split" in rows:
+        for name in ("demo", "gaussian3d"):
+            if name in rows:
+                rows[name]["over_default_split"] = (
+                    rows[name]["gbps"] / rows["default_split"]["gbps"]
+                )
+    result = {
+        "device": device_name(args.backend),
+        "backend": args.backend,
+        "size_bytes": args.size,
+        "partition_bytes": args.partition,
+        "cases": args.cases,
+        "case_seconds": case_seconds,
+        "rows": rows,
+    }
+    report(result)
+    save(args, BENCHMARK, result, figures(result), result["device"])
+    return result
+
+
+def report(result: dict[str, Any]) -> None:
+    """Every row on a line: GB/s, what it is set against, the ratio, the check."""
+    print(f"\n{result['device']} ({result['backend']}): {format_bytes(result['size_bytes'])}")
+    for name, r in result["rows"].items():
+        print(row_line(name, r))
+    total = sum(result["case_seconds"].values())
+    print(
+        f"  ({total:.0f} s: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in result["case_seconds"].items())
+        + ")"
+    )
+
+
+def row_line(name: str, r: dict[str, Any]) -> str:
+    """A row for people: GB/s, what it is set against, the ratio, the check."""
+    against = (
+        f"bound {r['bound_gbps']:7.2f} ({r['bound_stage']})"
+        if "bound_gbps" in r
+        else f"reference {r['reference_gbps']:7.2f}"
+    )
+    return (
+        f"  {name:<20} {r['gbps']:7.2f} GB/s  {against:<30} ratio {r['ratio']:.3f}  "
+        f"correct={r['correct']}"
+    )
+
+
+def figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of a run (its history line): each row's figure, what it is
+    set against, the ratio and the check."""
+    keys = ("gbps", "reference_gbps", "bound_gbps", "ratio", "correct", "ratio_each_run")
+    return {name: {k: r[k] for k in keys if k in r} for name, r in result["rows"].items()}
+
+
+if __name__ == "__main__":
+    main()

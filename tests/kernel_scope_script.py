@@ -1,0 +1,73 @@
+"""The scope of the __main__ kernel guard, on a machine with no GPU: run as a script.
+
+A stand-in ``cupy`` module whose ``ElementwiseKernel`` counts its copies (an unpickled copy
+is what breaks the original on a GPU; see dask_overlap.backends.kernel_pickling) is put in
+``sys.modules`` before dask_overlap is imported. Prints one ``name=value`` line per check.
+"""
+
+from __future__ import annotations
+
+import copy
+import copyreg
+import pickle
+import sys
+import types
+
+import dask
+import dask.array as da  # (before the stand-in: Dask registers CuPy's types if it sees one)
+import numpy as np
+
+cupy = types.ModuleType("cupy")
+
+
+class ElementwiseKernel:
+    made = 0
+
+    def __init__(self, name: str):
+        self.name = name
+        type(self).made += 1
+
+    def __reduce__(self):
+        return ElementwiseKernel, (self.name,)
+
+    def __call__(self, b):
+        return b * 2 + 1
+
+
+ElementwiseKernel.__module__ = "cupy"
+cupy.ElementwiseKernel = ElementwiseKernel
+sys.modules["cupy"] = cupy
+
+import dask_overlap  # noqa: E402
+
+twice_plus_one = ElementwiseKernel("twice_plus_one")  # a kernel of __main__, as users write
+
+
+def func(b):
+    return twice_plus_one(b)
+
+
+def main() -> None:
+    x = da.from_array(np.arange(64.0).reshape(8, 8), chunks=(4, 8))
+    before = ElementwiseKernel.made
+    y = dask_overlap.map_blocks(func, x, split_axis=0)
+    print(f"copies_while_building={ElementwiseKernel.made - before}")
+    print(f"copyreg_after={ElementwiseKernel in copyreg.dispatch_table}")
+    task = next(v for v, i in y.dask.layers[y.name].indices if i is None and callable(v))
+    before = ElementwiseKernel.made
+    dask.base.tokenize(task)
+    back = pickle.loads(pickle.dumps(task))
+    copied = copy.copy(task)
+    print(f"copies_by_task={ElementwiseKernel.made - before}")
+    print(f"same_kernel={back.func.__globals__['twice_plus_one'] is twice_plus_one}")
+    print(f"copy_shares_func={copied.func is task.func}")
+    print(f"plain_pickle_copies={pickle.loads(pickle.dumps(twice_plus_one)) is not twice_plus_one}")
+    before = ElementwiseKernel.made
+    dask.base.tokenize(func, "outside")  # Dask's own tokenize, outside the guard: copies
+    print(f"copies_by_plain_tokenize={ElementwiseKernel.made - before}")
+    got = y.compute(scheduler="threads")
+    print(f"correct={bool(np.array_equal(got, np.arange(64.0).reshape(8, 8) * 2 + 1))}")
+
+
+if __name__ == "__main__":
+    main()
