@@ -408,10 +408,20 @@ del _name, _fn
 
 @pytest.fixture(autouse=True)
 def routed(request, monkeypatch):
-    """Dask's tests call ``da.map_overlap`` and ``Array.map_overlap``: both route here.
-    (This module's own tests compare with Dask's: not routed.)"""
-    if request.node.name.startswith("test_dask_"):
-        monkeypatch.setattr(da, "map_overlap", dask_overlap.map_overlap)
-        monkeypatch.setattr(da.overlap, "map_overlap", dask_overlap.map_overlap)
-        monkeypatch.setattr(_dask_tests, "map_overlap", dask_overlap.map_overlap, raising=False)
+    """Dask's tests call ``da.map_overlap`` and ``Array.map_overlap``: both route here, and
+    each must make at least one call through the route (one that bypassed it would pass
+    on Dask's code). (This module's own tests compare with Dask's: not routed.)"""
+    if not request.node.name.startswith("test_dask_"):
+        yield
+        return
+    calls = []
+
+    def route(*args, **kwargs):
+        calls.append(1)
+        return dask_overlap.map_overlap(*args, **kwargs)
+
+    monkeypatch.setattr(da, "map_overlap", route)
+    monkeypatch.setattr(da.overlap, "map_overlap", route)
+    monkeypatch.setattr(_dask_tests, "map_overlap", route, raising=False)
     yield
+    assert calls, f"{request.node.name} made no call to map_overlap through the route"
