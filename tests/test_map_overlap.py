@@ -122,6 +122,15 @@ def test_split_axis_cuts_partitions_with_halos(x3, ring, split_axis, boundary) -
     assert (stats["bytes_staged"] > 0) == ring
 
 
+def test_on_the_timed_backend(x3) -> None:
+    """The device modelled on the CPU: cut partitions on its streams, the same results."""
+    with dask.config.set({"overlap.backend": "timed"}):
+        overlap_equal(stencil, x3, depth={0: 2, 1: 1}, boundary="reflect", split_axis=0,
+                      sub_chunk_bytes=1)  # fmt: skip
+        stats = dask_overlap.runtime_stats("timed")
+    assert stats["sub_chunks"] > stats["partitions"] == 9
+
+
 def test_several_arrays_with_their_own_depths() -> None:
     rng = np.random.default_rng(1)
     a = da.from_array(rng.standard_normal((12, 10)), chunks=(4, 5))

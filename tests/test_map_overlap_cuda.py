@@ -103,3 +103,13 @@ def test_only_the_core_comes_back() -> None:
     assert stats["bytes_d2h"] == x.nbytes
     padded = da.overlap.overlap(x, 8, boundary="reflect")
     assert x.nbytes < stats["bytes_h2d"] <= padded.nbytes
+
+
+def test_pinned_input_goes_piece_by_piece_into_one_device_buffer() -> None:
+    """An earlier stage's pinned blocks are not staged: core and slabs are each copied to
+    their place in the padded block on the device."""
+    _, x = volume()
+    pinned = dask_overlap.map_blocks(lambda b: b + 0, x, out="pinned", dtype=np.float32)
+    ours = dask_overlap.map_overlap(gaussian, pinned, depth=8, boundary="reflect", split_axis=0)
+    theirs = da.map_overlap(naive(gaussian), x, depth=8, boundary="reflect")
+    np.testing.assert_allclose(ours.compute(), theirs.compute(), rtol=1e-5, atol=1e-5)
