@@ -257,6 +257,16 @@ def test_chained_stages_and_halos(x3) -> None:
     assert (ours(x3) > 0).sum().compute() == (theirs(x3) > 0).sum().compute()
 
 
+def test_stored_as_dask_stores_it(x3) -> None:
+    """A store of map_overlap's output (fused into its partitions where fusion does so)
+    writes the trimmed blocks."""
+    target = np.zeros(x3.shape)
+    y = dask_overlap.map_overlap(stencil, x3, depth={0: 2, 1: 1}, boundary="nearest", split_axis=0)
+    da.store(y, target, lock=False)
+    theirs = da.map_overlap(stencil, x3, depth={0: 2, 1: 1}, boundary="nearest").compute()
+    np.testing.assert_array_equal(target, theirs)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_on_two_worker_processes(x3) -> None:
