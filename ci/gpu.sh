@@ -7,9 +7,9 @@
 # a run, copy the current files into benchmarks/results/ and append $OUT/history.jsonl to
 # benchmarks/results/history.jsonl (pytest's log stays out of git).
 #
-#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits]...
+#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits|halo]...
 #   (peak: PEAK_ARGS, PEAK_LIMIT; pipeline: PIPELINE_ARGS, PIPELINE_LIMIT; limits: LIMITS_ARGS,
-#   LIMITS_LIMIT)
+#   LIMITS_LIMIT; halo: HALO_ARGS, HALO_LIMIT)
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -132,6 +132,14 @@ run_limits() {
         --record "$OUT" ${LIMITS_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 40 || status=1
 }
 
+run_halo() {
+    # A filter with halos (issue 30): map_overlap against the naive path, the padded blocks
+    # built on the host, and the same filter with no halo.
+    log "halo: bench_halo.py ${HALO_ARGS:-}"
+    timeout "${HALO_LIMIT:-300}" python3 benchmarks/bench_halo.py --backend cuda \
+        --record "$OUT" ${HALO_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 15 || status=1
+}
+
 run_timeline() {
     log "timeline"
     timeout 60 python3 benchmarks/diagnostics/timeline_cuda.py --json "$OUT/timeline-cuda.json" \
@@ -226,9 +234,10 @@ for step in "${steps[@]}"; do
         peak) run_peak ;;
         pipeline) run_pipeline ;;
         limits) run_limits ;;
+        halo) run_halo ;;
         small) run_small ;;
         floor) run_floor ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits]..."; exit 2 ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits|halo]..."; exit 2 ;;
     esac
 done
 log "done, status $status"

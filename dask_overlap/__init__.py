@@ -13,6 +13,7 @@ from . import config as _config  # registers the overlap.* defaults with dask.co
 from .config import Options, TimedModel
 from .graph.fusion import explain
 from .graph.map_blocks import map_blocks
+from .graph.map_overlap import map_overlap
 from .pipeline.current import get_runtime, runtime_stats
 from .pipeline.runtime import Runtime, close_runtimes
 
@@ -32,6 +33,7 @@ __all__ = [
     "explain",
     "get_runtime",
     "map_blocks",
+    "map_overlap",
     "register",
     "runtime_stats",
 ]

@@ -148,6 +148,21 @@ def test_bench_overlap_records_its_cases_on_the_cpu(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(120)
+def test_bench_halo_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    argv = ["--backend", "host", "--size", "4MiB", "--block", "512KiB", "--plane", "64"]
+    result = run("bench_halo.py", *argv, "--repeat", "1", record=tmp_path)
+    assert result["correct"] is True and result["device"] == "cpu"
+    assert result["boundaries_checked"] == ["reflect", "periodic", "nearest", "none", "0.0"]
+    assert result["size_bytes"] == 4 << 20 and result["block_bytes"] == 512 << 10
+    keys = {"naive_gbps", "overlap_then_map_blocks_gbps", "map_overlap_gbps", "no_halo_gbps",
+            "map_overlap_over_no_halo", "speedup_vs_naive"}  # fmt: skip
+    assert keys <= set(result) and all(result[k] > 0 for k in keys)
+    (line,) = history(tmp_path)
+    assert line["benchmark"] == "halo" and line["figures"]["correct"] is True
+
+
+@pytest.mark.timeout(120)
 def test_host_overhead_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     result = run("host_overhead.py", "--partitions", "40", "--repeat", "1", record=tmp_path)

@@ -125,3 +125,34 @@ def test_stores_not_named_go_to_a_folder_not_where_it_runs(tmp_path):
     ref = expected(named / "in.zarr", 2.0)  # the default sigma
     np.testing.assert_array_equal(zarr.open_array(str(named / "out.zarr"), mode="r")[:], ref)
     assert list(here.iterdir()) == []
+
+
+VOLUME = ROOT / "examples" / "volume_filter.py"
+
+
+@pytest.mark.timeout(240)
+def test_volume_filter_on_the_cpu(tmp_path):
+    """examples/volume_filter.py: map_overlap over a Zarr volume cut on every axis equals
+    the filters of the whole volume, and plain da.map_overlap (``--compare``)."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    args = ["--make", "8MiB", "--chunks", "4x128x192", "--sigma", "1.0", "--compare",
+            "--workdir", str(tmp_path / "w"), "--json", str(tmp_path / "r.json")]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(VOLUME), *args], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "outputs equal: True" in done.stdout, done.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["equal"] is True and result["halo"] == 4 and result["shape"] == [8, 512, 512]
+    w = tmp_path / "w"
+    volume = zarr.open_array(str(w / "volume.zarr"), mode="r")[:]
+    smooth = zarr.open_array(str(w / "smooth.zarr"), mode="r")[:]
+    edges = zarr.open_array(str(w / "edges.zarr"), mode="r")[:]
+    np.testing.assert_allclose(smooth, ndimage.gaussian_filter(volume, 1.0), rtol=1e-5, atol=1e-5)
+    whole = ndimage.gaussian_gradient_magnitude(volume, 1.0)
+    np.testing.assert_allclose(edges, whole, rtol=1e-5, atol=1e-5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "w"]  # nothing else

@@ -6,8 +6,9 @@ batch's pinned blocks that are never joined on the host (:class:`BlocksInput`: e
 copied into its place on the device), or an array already on the device
 (:class:`DeviceInput`: no copy). The runner asks an input only what this interface says:
 its bytes, a slice of it along an axis (a sub-chunk's read window), whether it must be
-staged, and its copy to the device on a stream. A new kind of input (a halo's edge
-slabs) is a new class here, not a new branch in the runner.
+staged, and its copy to the device on a stream. A halo's block with its neighbours'
+edge slabs is one more (:class:`HaloInput`): its pieces are copied into one buffer,
+in the ring when staged, on the device otherwise, where its boundary is made.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from .halo import HaloBlock, fill
 from .pieces import PinnedBlocks
 
-__all__ = ["BlocksInput", "DeviceInput", "HostInput", "Input", "as_input"]
+__all__ = ["BlocksInput", "DeviceInput", "HaloInput", "HostInput", "Input", "as_input"]
 
 
 class _Pinned:
@@ -84,6 +86,10 @@ class HostInput:
         """This input as ``block`` of the ring holds it (after the staging copy)."""
         return HostInput(block.view(self.array.dtype).reshape(self.array.shape), _ALWAYS)
 
+    def staging_copies(self, staged: HostInput) -> list[tuple[Any, Any]]:
+        """The host copies that fill ``staged`` (this input's block of the ring)."""
+        return [(self.array, staged.array)]
+
     def to_device(self, backend: Any, stream: Any) -> Any:
         return backend.copy_in(stream, self.array)
 
@@ -129,14 +135,136 @@ class DeviceInput:
         return backend.copy_in(stream, self.array)
 
 
-Input = HostInput | BlocksInput | DeviceInput
+class HaloInput:
+    """A padded block, as its pieces (core and slabs, each a :class:`HostInput` or a
+    :class:`DeviceInput`) and the sides made on the device (see :mod:`.halo`).
+
+    ``shape`` is the padded block's (of this read window); ``margins`` say, per axis,
+    how much of it is halo on each side (what :class:`~.halo.HaloFunc` trims); ``depth``
+    is what a read window is widened by. ``nbytes`` counts the padded block: what goes
+    to the device and what the ring holds when it is staged."""
+
+    __slots__ = ("depth", "dtype", "fills", "margins", "pieces", "shape")
+
+    def __init__(
+        self,
+        shape: Any,
+        dtype: Any,
+        pieces: Any,
+        fills: Any,
+        margins: Any,
+        depth: tuple[tuple[int, int], ...],
+    ):
+        self.shape, self.dtype, self.pieces = tuple(shape), dtype, tuple(pieces)
+        self.fills, self.margins, self.depth = tuple(fills), tuple(margins), depth
+
+    @classmethod
+    def of(cls, backend: Any, block: HaloBlock) -> HaloInput:
+        spec = block.spec
+        pieces = [
+            (r, as_input(backend, a)) for r, a in zip(spec.regions, block.pieces, strict=True)
+        ]
+        # Each side made on the device, with its rows in the padded block.
+        fills = [(*f, spec.margins[f[0]][f[1]]) for f in spec.fills]
+        return cls(spec.shape, block.dtype, pieces, fills, spec.margins, spec.depth)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    @property
+    def on_device(self) -> bool:
+        return all(x.on_device for _, x in self.pieces)
+
+    @property
+    def needs_staging(self) -> bool:
+        """Staged (assembled in the ring) when any piece would be: then one copy to the
+        device takes the whole padded block."""
+        return any(x.needs_staging for _, x in self.pieces)
+
+    def part(self, index: tuple[slice, ...]) -> HaloInput:
+        """The read window of the core rows ``index`` selects along one axis (the write
+        window): those rows widened by the depth, within the padded block."""
+        ax = len(index) - 1
+        s, t = index[ax].start, index[ax].stop
+        lo, (dl, dh) = self.margins[ax][0], self.depth[ax]
+        extent = self.shape[ax]
+        a, b = max(0, s + lo - dl), min(extent, t + lo + dh)
+        pieces = []
+        for region, x in self.pieces:
+            r = region[ax].indices(extent)
+            i0, i1 = max(r[0], a), min(r[1], b)
+            if i0 < i1:
+                local = x.part(_along(ax, i0 - r[0], i1 - r[0]))
+                pieces.append((_replaced(region, ax, slice(i0 - a, i1 - a)), local))
+        fills = []
+        for f in self.fills:  # a side along ax: the rows of it the window holds
+            if f[0] == ax:
+                width = max(0, f[4] - a) if f[1] == 0 else max(0, b - (extent - f[4]))
+                f = (*f[:4], width)
+            if f[4]:
+                fills.append(f)
+        margins = list(self.margins)
+        margins[ax] = (s + lo - a, b - t - lo)
+        shape = list(self.shape)
+        shape[ax] = b - a
+        return HaloInput(shape, self.dtype, pieces, fills, margins, self.depth)
+
+    def staged(self, block: np.ndarray) -> HaloInput:
+        """This input as ``block`` of the ring holds it, once its pieces are copied in;
+        the sides made on the device are made there still."""
+        whole = (slice(None),) * len(self.shape)
+        padded = HostInput(block.view(self.dtype).reshape(self.shape), _ALWAYS)
+        return HaloInput(
+            self.shape, self.dtype, [(whole, padded)], self.fills, self.margins, self.depth
+        )
+
+    def staging_copies(self, staged: HaloInput) -> list[tuple[Any, Any]]:
+        """Each piece into its place in the ring's padded block (``staged``)."""
+        buf = staged.pieces[0][1].array
+        return [(x.array, buf[region]) for region, x in self.pieces if x.array.size]
+
+    def to_device(self, backend: Any, stream: Any) -> Any:
+        """The padded block on the device: one copy when it was assembled in the ring (or
+        has no halo), else a copy of each piece into its place; then the boundary."""
+        if len(self.pieces) == 1 and self.pieces[0][1].shape == self.shape:
+            dev = self.pieces[0][1].to_device(backend, stream)
+        else:
+            dev = backend.empty_device(self.shape, self.dtype)
+            for region, x in self.pieces:
+                if x.size:
+                    backend.place(stream, x.to_device(backend, stream), dev[region])
+        if self.fills:
+            fill(dev, self.fills)
+        return dev
+
+
+def _along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+def _replaced(index: tuple[slice, ...], axis: int, new: slice) -> tuple[slice, ...]:
+    return (*index[:axis], new, *index[axis + 1 :])
+
+
+Input = HostInput | BlocksInput | DeviceInput | HaloInput
 
 
 def as_input(backend: Any, block: Any) -> Input:
-    """``block`` (a plain array, a device array, or a batch's :class:`PinnedBlocks`) as
-    the input the runner moves."""
+    """``block`` (a plain array, a device array, a batch's :class:`PinnedBlocks`, or a
+    halo's :class:`~.halo.HaloBlock`) as the input the runner moves."""
     if type(block) is PinnedBlocks:
         return BlocksInput(block)
+    if type(block) is HaloBlock:
+        return HaloInput.of(backend, block)
     if backend.is_device(block):
         return DeviceInput(block)
     return HostInput(block, _Pinned(block, backend.is_pinned))

@@ -149,6 +149,10 @@ def auto_sub_chunk_bytes(partition_bytes: int, running: int) -> int:
     return max(AUTO_MIN_BYTES, -(-int(partition_bytes) // cuts))
 
 
+def _halo(a: Any, axis: int | None) -> bool:
+    return axis is not None and hasattr(a, "rows_needed")
+
+
 @functools.lru_cache(maxsize=256)
 def _whole(extent: int, positions: tuple[int, ...]) -> Layout:
     """The layout of a partition that is not cut (one per extent, made once: it is
@@ -205,5 +209,9 @@ def layout(
                 row_bytes += a.nbytes // extent
     if any(args[p].size == 0 for p in positions):
         row_bytes = 0  # nothing to pipeline: one sub-chunk
+    # A halo's block (map_overlap) reads a window of its rows widened by the depth, and a
+    # reflected boundary reads as many rows as the depth inside it: no fewer rows a cut.
+    rows = max((args[p].rows_needed(axes[p]) for p in axes if _halo(args[p], axes[p])), default=1)
+    sub_chunk_bytes = max(sub_chunk_bytes, rows * row_bytes)
     plan = plan_sub_chunks(extent, row_bytes, sub_chunk_bytes, k)
     return Layout(plan, axes, out_axis)

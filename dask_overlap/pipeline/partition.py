@@ -26,6 +26,7 @@ import numpy as np
 
 from .engine import Done, Failed, Pipeline, Stage
 from .executors import InlineExecutor, ThreadedExecutor
+from .halo import HaloBlock
 from .layout import Layout, auto_sub_chunk_bytes, layout, whole
 from .pieces import Pieces, PinnedBlocks, join
 from .results import partition_name, refuse_block
@@ -249,6 +250,8 @@ def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
             args[p] = a
             if copied:
                 rt.counters.add(bytes_staged=copied)
+        if type(a) is HaloBlock:
+            continue  # (its pieces are checked as the graph made them: Dask's blocks)
         if type(a) is not np.ndarray and type(a) is not PinnedBlocks and not is_device(a):
             # A subclass whose meaning the copies would lose.
             refuse_block(a, partition_name(spec.key))

@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .engine import Stage
-from .inputs import as_input
+from .halo import HALO_KWARG
+from .inputs import HaloInput, as_input
 from .layout import Layout
 from .meter import TaskMeter
 from .nvtx import nvtx_range
@@ -61,6 +62,7 @@ class PartitionWork:
         "backend",
         "device_delta",
         "func",
+        "halo",
         "kwargs",
         "lay",
         "meter",
@@ -85,6 +87,8 @@ class PartitionWork:
         self.spec = spec
         self.lay = lay
         inputs = {p: as_input(backend, args[p]) for p in lay.axes}
+        # Whether any input is a halo's padded block (map_overlap).
+        self.halo = any(type(x) is HaloInput for x in inputs.values())
         self.admission = admission = Admission(
             backend, rt.direct_bytes, lay, inputs, spec.out, spec.out_shape, spec.out_dtype
         )
@@ -124,7 +128,7 @@ class PartitionWork:
                 sub.fallbacks += 1  # no room: copied straight from pageable memory
                 continue
             sub.inputs[j] = staged = x.staged(block)  # what the H2D, issued next, reads
-            copies.append((x.array, staged.array))
+            copies.extend(x.staging_copies(staged))
         self.tally["bytes_staged"] += sum(src.nbytes for src, _ in copies)
         return copies
 
@@ -161,7 +165,11 @@ class PartitionWork:
                 args = list(self.args)
                 for p, d in zip(self.lay.axes, dev, strict=True):
                     args[p] = d
-                raw = backend.compute(stream, self.func, args, kwargs)
+                call = kwargs
+                if self.halo:  # what each padded block holds of halo, for HaloFunc's trim
+                    margins = tuple(getattr(x, "margins", None) for x in sub.inputs)
+                    call = dict(kwargs, **{HALO_KWARG: margins})
+                raw = backend.compute(stream, self.func, args, call)
                 sub.device = (dev, raw)  # held until the D2H has completed
                 marks.append(mark(stream))
                 sub.stage_now = Stage.D2H

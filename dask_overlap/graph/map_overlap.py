@@ -1,0 +1,319 @@
+"""``dask_overlap.map_overlap``: ``dask.array.map_overlap``, with its halos made in the pipeline.
+
+The call is Dask's: the same normalisation of ``depth`` and ``boundary`` (Dask's own
+``coerce_depth`` and ``coerce_boundary``), the same alignment, the same rechunking rule
+and its words (``ensure_minimum_chunksize``), the same trim. Inside, no padded block is
+built in Dask tasks: each partition gets its core block and its neighbours' edge slabs
+(:mod:`.halo`), which the pipeline copies into one buffer, makes the boundary of on the
+device and trims on the device after ``func`` (:mod:`dask_overlap.pipeline.halo`). The
+partitions are ``dask_overlap.map_blocks`` partitions, with all of its options.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from numbers import Integral, Number
+from typing import Any
+
+import dask.array as da
+import numpy as np
+from dask.array.core import unify_chunks
+from dask.array.overlap import (
+    _get_overlap_rechunked_chunks,
+    coerce_boundary,
+    coerce_depth,
+)
+from toolz import concat
+
+from ..pipeline.halo import HaloFunc
+from .checks import as_list, check_func
+from .halo import halo_array, sides
+from .map_blocks import map_blocks
+
+__all__ = ["map_overlap"]
+
+#: The boundaries named by a string (any other value is a constant to pad with).
+BOUNDARY_NAMES = ("reflect", "periodic", "nearest", "none")
+
+
+def _each(spec: Any, arrays: Sequence[da.Array], name: str) -> list[Any]:
+    """``depth`` or ``boundary`` for each array: a list gives one per array."""
+    if not isinstance(spec, list):
+        return [spec] * len(arrays)
+    if len(spec) != len(arrays):
+        raise ValueError(
+            f"{name} given as a list must have one entry per array argument: "
+            f"{len(arrays)} arrays, got {len(spec)} entries ({spec!r})"
+        )
+    return spec
+
+
+def _check_one_depth(value: Any, where: str) -> None:
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError(
+                f"depth{where} given as a tuple must be (before, after), got {value!r}"
+            )
+        for v in value:
+            _check_one_depth(v, where)
+        return
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(
+            f"depth{where} must be a non-negative integer (or a (before, after) pair of "
+            f"them), got {value!r} of type {type(value).__name__}"
+        )
+    if value < 0:
+        raise ValueError(f"depth{where} must be a non-negative integer, got {value}")
+
+
+def check_depth(depth: Any, ndim: int, which: str, keys: int) -> None:
+    """One array's ``depth``: an integer, a tuple per axis, or a dict by axis."""
+    if depth is None:
+        return
+    if isinstance(depth, dict):
+        for ax, d in depth.items():
+            if isinstance(ax, bool) or not isinstance(ax, Integral) or not 0 <= ax < keys:
+                raise ValueError(
+                    f"depth{which} is keyed by axis: got key {ax!r} for arrays of at most "
+                    f"{keys} dimension(s)"
+                )
+            _check_one_depth(d, f"{which}[{ax}]")
+    elif isinstance(depth, tuple):
+        if len(depth) != ndim:
+            raise ValueError(
+                f"depth{which} given as a tuple must have one entry per axis ({ndim}), got "
+                f"{depth!r}"
+            )
+        for ax, d in enumerate(depth):
+            _check_one_depth(d, f"{which}[{ax}]")
+    else:
+        _check_one_depth(depth, which)
+
+
+def _check_one_boundary(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        if value not in BOUNDARY_NAMES:
+            raise ValueError(
+                f"boundary{where} must be one of {', '.join(map(repr, BOUNDARY_NAMES))} or a "
+                f"constant value, got {value!r}"
+            )
+    elif isinstance(value, bool) or not isinstance(value, Number | np.generic):
+        raise ValueError(
+            f"boundary{where} must be one of {', '.join(map(repr, BOUNDARY_NAMES))} or a "
+            f"constant (a number), got {value!r} of type {type(value).__name__}"
+        )
+
+
+def check_boundary(boundary: Any, ndim: int, which: str, keys: int) -> None:
+    """One array's ``boundary``: a name or constant, a tuple per axis, or a dict by axis."""
+    if boundary is None:
+        return
+    if isinstance(boundary, dict):
+        for ax, b in boundary.items():
+            if isinstance(ax, bool) or not isinstance(ax, Integral) or not 0 <= ax < keys:
+                raise ValueError(
+                    f"boundary{which} is keyed by axis: got key {ax!r} for arrays of at most "
+                    f"{keys} dimension(s)"
+                )
+            _check_one_boundary(b, f"{which}[{ax}]")
+    elif isinstance(boundary, tuple):
+        for ax, b in enumerate(boundary):
+            _check_one_boundary(b, f"{which}[{ax}]")
+    else:
+        _check_one_boundary(boundary, which)
+
+
+def _rechunked(x: da.Array, depth: dict, allow_rechunk: bool) -> da.Array:
+    """Dask's rule: every chunk at least as large as the depth, by rechunking (Dask's own
+    arithmetic and errors) or, without ``allow_rechunk``, Dask's error."""
+    if allow_rechunk:
+        return x.rechunk(_get_overlap_rechunked_chunks(x, depth))  # (a no-op when it fits)
+    depths = [max(d) if isinstance(d, tuple) else d for d in depth.values()]
+    if any(min(c) < d for d, c in zip(depths, x.chunks, strict=True)):
+        raise ValueError(  # Dask's words (dask.array.overlap.overlap)
+            "Overlap depth is larger than smallest chunksize.\n"
+            "Please set allow_rechunk=True to rechunk automatically.\n"
+            f"Overlap depths required: {depths}\n"
+            f"Input chunks: {x.chunks}\n"
+        )
+    return x
+
+
+def _out_axes(ndim: int, drop_axis: Any, new_axis: Any) -> tuple[int | None, ...]:
+    """For each output axis, the reference array's axis it stands for (as Dask's
+    ``map_overlap`` relabels ``depth`` for its trim), ``None`` for a new one."""
+    dropped = {d % ndim for d in as_list(drop_axis)}
+    out: list[int | None] = [ax for ax in range(ndim) if ax not in dropped]
+    for axis in as_list(new_axis):
+        out.insert(axis % ndim, None)
+    return tuple(out)
+
+
+def _trimmed_chunks(chunks: Any, out_axes: tuple, depth: dict, boundary: dict) -> tuple:
+    """Given output ``chunks`` of the padded blocks, the chunks after the trim (the
+    arithmetic of Dask's ``trim_internal``)."""
+    out = []
+    for o, bd in enumerate(chunks):
+        ax = out_axes[o] if o < len(out_axes) else None
+        lo, hi = (0, 0) if ax is None else sides(depth[ax])
+        none = ax is None or boundary[ax] == "none"
+        n = len(bd)
+        out.append(
+            tuple(
+                d - (lo if (j or not none) else 0) - (hi if (j != n - 1 or not none) else 0)
+                for j, d in enumerate(bd)
+            )
+        )
+    return tuple(out)
+
+
+def _halos(x: da.Array, depth: dict, boundary: dict) -> tuple:
+    """Each block's halo before and after it, per axis (what Dask's overlap adds)."""
+    before, after = [], []
+    for a, n in enumerate(x.numblocks):
+        lo, hi = sides(depth[a])
+        none = boundary[a] == "none"
+        before.append(tuple(0 if (none and j == 0) else lo for j in range(n)))
+        after.append(tuple(0 if (none and j == n - 1) else hi for j in range(n)))
+    return tuple(before), tuple(after)
+
+
+def _normalised(
+    args: tuple, depth: Any, boundary: Any, align_arrays: bool
+) -> tuple[list[da.Array], list[dict], list[dict]]:
+    """Checked, coerced (Dask's ``coerce_depth``/``coerce_boundary``) and aligned."""
+    if not args or not all(isinstance(x, da.Array) for x in args):
+        raise TypeError(
+            "map_overlap's positional arguments after func must all be dask arrays, got "
+            f"{[type(x).__name__ for x in args]}"
+        )
+    depths, bounds = _each(depth, args, "depth"), _each(boundary, args, "boundary")
+    for i, (x, d, b) in enumerate(zip(args, depths, bounds, strict=True)):
+        which = f" (array {i})" if isinstance(depth, list) or isinstance(boundary, list) else ""
+        # (A dict's keys may name axes of the arrays of most dimensions: Dask ignores,
+        # for each array, those it has not.)
+        check_depth(d, x.ndim, which, max(y.ndim for y in args))
+        check_boundary(b, x.ndim, which, max(y.ndim for y in args))
+    depths = [coerce_depth(x.ndim, d) for x, d in zip(args, depths, strict=True)]
+    bounds = [coerce_boundary(x.ndim, b) for x, b in zip(args, bounds, strict=True)]
+    if align_arrays:  # (as Dask: reversed, so that blocks broadcast)
+        inds = [list(reversed(range(x.ndim))) for x in args]
+        _, args = unify_chunks(*list(concat(zip(args, inds, strict=True))), warn=False)
+    return list(args), depths, bounds
+
+
+def _deprecated_signature(x: da.Array, args: tuple, depth: Any, boundary: Any, trim: Any) -> tuple:
+    """``map_overlap(array, func, depth, boundary, trim)``, as Dask still takes it (with
+    Dask's warning)."""
+    warnings.warn(
+        "The use of map_overlap(array, func, **kwargs) is deprecated since dask 2.17.0 "
+        "and will be an error in a future release. To silence this warning, use the syntax "
+        "map_overlap(func, array0,[ array1, ...,] **kwargs) instead.",
+        FutureWarning,
+        stacklevel=3,
+    )
+    rest = list(args[1:])
+    depth = rest[0] if len(rest) > 0 else depth
+    boundary = rest[1] if len(rest) > 1 else boundary
+    trim = rest[2] if len(rest) > 2 else trim
+    return args[0], (x,), depth, boundary, trim
+
+
+def map_overlap(
+    func: Callable[..., Any],
+    *args: Any,
+    depth: Any = None,
+    boundary: Any = None,
+    trim: bool = True,
+    align_arrays: bool = True,
+    allow_rechunk: bool = True,
+    split_axis: int | None = None,
+    **kwargs: Any,
+) -> da.Array:
+    """Map ``func`` over blocks with halos, each partition as an assembly line.
+
+    The same call as :func:`dask.array.map_overlap`, with the same result; ``func``
+    receives each block padded with its neighbours' edges (CuPy arrays on the GPU, NumPy
+    on the host path). Nothing padded is built on the host: each partition copies its
+    core and its neighbours' edge slabs into one device buffer (through the pinned ring,
+    as any block), makes the external boundary on the device, runs ``func`` and, with
+    ``trim=True``, trims on the device, so only the core is copied back.
+
+    Parameters
+    ----------
+    func
+        Called on each padded block (one per array argument).
+    *args
+        Dask arrays, aligned as Dask aligns them (``align_arrays``).
+    depth, boundary, trim, align_arrays, allow_rechunk
+        As in :func:`dask.array.map_overlap`: ``depth`` an integer, a tuple or dict per
+        axis, ``(before, after)`` pairs for asymmetric halos (with boundary ``"none"``),
+        or a list of those per array; ``boundary`` ``"reflect"``, ``"periodic"``,
+        ``"nearest"``, ``"none"`` (the default) or a constant, per axis or per array
+        likewise. A depth larger than a chunk is met by rechunking (or, without
+        ``allow_rechunk``, Dask's error).
+    split_axis
+        As in :func:`dask_overlap.map_blocks`: ``func`` is independent along this axis
+        but for its halo, so each partition is cut along it into sub-chunks whose read
+        windows overlap by the depth (the halo does not force whole partitions).
+    **kwargs
+        ``dtype``, ``meta``, ``chunks``, ``drop_axis``, ``new_axis``, ``name``,
+        ``token`` and keywords for ``func``, as in :func:`dask.array.map_overlap`; and
+        ``dask_overlap.map_blocks``'s options ``sub_chunk_bytes``, ``in_flight``,
+        ``out``. ``batch`` may be ``"auto"`` or 1 (a partition is one block and its halo).
+
+    Returns
+    -------
+    dask.array.Array
+
+    Examples
+    --------
+    >>> import dask.array as da, dask_overlap, numpy as np
+    >>> x = da.from_array(np.array([1, 1, 2, 3, 3, 3, 2, 1, 1]), chunks=5)
+    >>> y = dask_overlap.map_overlap(np.gradient, x, depth=1, boundary="none", dtype=float)
+    >>> y.compute().tolist()
+    [0.0, 0.5, 1.0, 0.5, 0.0, -0.5, -1.0, -0.5, 0.0]
+    """
+    if isinstance(func, da.Array) and args and callable(args[0]):
+        func, args, depth, boundary, trim = _deprecated_signature(func, args, depth, boundary, trim)
+    check_func(func)
+    if not isinstance(trim, bool):
+        raise TypeError(f"trim must be True or False, got {trim!r}")
+    args, depths, bounds = _normalised(args, depth, boundary, align_arrays)
+    batch = kwargs.pop("batch", "auto")
+    if batch not in ("auto", 1) or isinstance(batch, bool):
+        raise ValueError(
+            "batch must be 'auto' or 1 with map_overlap (a partition is one block with its "
+            f"halo); got {batch!r}"
+        )
+    if all(all(v == 0 for v in d.values()) for d in depths):
+        # Dask escapes to map_blocks too (the same result, no halo).
+        return map_blocks(func, *args, split_axis=split_axis, **kwargs)
+    for i, x in enumerate(args):
+        for j in range(x.ndim):
+            if isinstance(depths[i][j], tuple) and bounds[i][j] != "none":
+                raise NotImplementedError(  # Dask's words
+                    "Asymmetric overlap is currently only implemented "
+                    "for boundary='none', however boundary for dimension "
+                    f"{j} in array argument {i} is {bounds[i][j]}"
+                )
+        if any(np.isnan(c) for cc in x.chunks for c in cc):
+            raise ValueError(
+                f"map_overlap needs the chunk sizes of every array; array {i} has unknown "
+                "chunk sizes (call compute_chunk_sizes() first)"
+            )
+    args = [_rechunked(x, d, allow_rechunk) for x, d in zip(args, depths, strict=True)]
+    ref = sorted(enumerate(args), key=lambda v: (v[1].ndim, -v[0]))[-1][0]
+    out_axes = _out_axes(args[ref].ndim, kwargs.get("drop_axis"), kwargs.get("new_axis"))
+    if kwargs.get("chunks") is not None and trim:
+        chunks = kwargs["chunks"]
+        if all(isinstance(c, Integral) for c in chunks):  # a block's shape, every block's
+            grid = [1 if ax is None else args[ref].numblocks[ax] for ax in out_axes]
+            chunks = tuple((c,) * n for c, n in zip(chunks, grid, strict=False))
+        kwargs["chunks"] = _trimmed_chunks(chunks, out_axes, depths[ref], bounds[ref])
+    halos_of = tuple(_halos(x, d, b) for x, d, b in zip(args, depths, bounds, strict=True))
+    free = kwargs.get("chunks") is not None
+    wrapped = HaloFunc(func, trim, ref, out_axes, free_shape=free, chunks=halos_of)
+    halos = [halo_array(x, d, b) for x, d, b in zip(args, depths, bounds, strict=True)]
+    return map_blocks(wrapped, *halos, split_axis=split_axis, batch=1, **kwargs)
