@@ -114,6 +114,42 @@ def test_elementwise_steps_before_a_stage(build, expected):
         assert stats["bytes_h2d"] == a.nbytes  # x's blocks handed in, not the step's
 
 
+def one_d() -> tuple[np.ndarray, da.Array]:
+    a = np.random.default_rng(2).standard_normal(4096)
+    return a, da.from_array(a, chunks=1024)
+
+
+@pytest.mark.parametrize("fn", [np.sort, np.cumsum], ids=["sort", "cumsum"])
+def test_a_step_that_is_not_elementwise_before_a_stage_runs_on_whole_blocks(fn):
+    a, x = one_d()
+    z = stage(double, x.map_blocks(fn), sub_chunk_bytes=1024)  # 8 sub-chunks a block
+    assert steps(z) == [[fn.__name__, "double"]]
+    assert "whole partitions" in dask_overlap.explain(z)
+    np.testing.assert_array_equal(z.compute(), x.map_blocks(fn).compute() * 2)
+
+
+@pytest.mark.parametrize("fn", [np.sort, np.cumsum], ids=["sort", "cumsum"])
+def test_a_step_that_is_not_elementwise_after_a_stage_runs_on_whole_blocks(fn):
+    a, x = one_d()
+    z = stage(double, x, sub_chunk_bytes=1024).map_blocks(fn)
+    assert steps(z) == [["double", fn.__name__]]
+    assert "whole partitions" in dask_overlap.explain(z)
+    np.testing.assert_array_equal(z.compute(), x.map_blocks(fn).compute() * 2)
+
+
+@pytest.mark.parametrize("fn", [np.sort, np.cumsum], ids=["sort", "cumsum"])
+def test_a_step_that_is_not_elementwise_is_kept_off_a_batch(fn):
+    a, x = one_d()
+    small = x.rechunk(64)  # 64 blocks of 512 B: joined in batches
+    before = dask_overlap.map_blocks(double, small.map_blocks(fn), split_axis=0)
+    after = dask_overlap.map_blocks(double, small, split_axis=0).map_blocks(fn)
+    assert steps(before) == [["double"]] and steps(after) == [["double"]]
+    assert before.chunks == after.chunks == small.chunks
+    want = small.map_blocks(fn).compute() * 2
+    np.testing.assert_array_equal(before.compute(), want)
+    np.testing.assert_array_equal(after.compute(), want)
+
+
 def test_a_step_before_a_stage_read_by_something_else_too_is_left_as_it_is():
     a, x = data()
     y = x * 2

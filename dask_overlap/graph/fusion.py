@@ -20,18 +20,23 @@ The store step of ``da.store`` (and ``to_zarr``) after a partition ends it too: 
 partition writes its result into the target (see :mod:`~dask_overlap.pipeline.store`).
 
 A reduction's step ends the partition's program and makes it one whole sub-chunk (its
-partial of a sub-chunk would not be the partial of the partition); a partition stage
-whose ``split_axis`` differs from the one before runs whole partitions too.
+partial of a sub-chunk would not be the partial of the partition); so does any step that
+does not work element by element (``np.sort``, ``np.cumsum``: see :data:`_ELEMENTWISE`),
+and a partition stage whose ``split_axis`` differs from the one before. Such a step is
+not taken into a partition that joins several blocks (``batch``), nor through the cut
+after one: it would run on the batch, not on each block.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Iterable
 from typing import Any
 
 import dask
 import numpy as np
+from dask.array import chunk
 from dask.array.core import load_store_chunk
 from dask.blockwise import Blockwise
 from dask.core import flatten
@@ -68,6 +73,33 @@ def _device_safe(fn: Any) -> bool:
         return True
     module = getattr(fn, "__module__", None) or ""
     return module in _DEVICE_MODULES or module == "numpy" or module.startswith("numpy.")
+
+
+#: Functions that work element by element (so they may run on any piece of a block, a
+#: sub-chunk or a batch of blocks) beside NumPy's ufuncs and the operators below: Dask's
+#: ``astype`` and the NumPy functions Dask's elementwise methods use. Any other function
+#: (``np.sort``, ``np.cumsum``, a reduction's step) runs on whole partitions' blocks.
+_ELEMENTWISE = frozenset(
+    [
+        *(getattr(np, n) for n in ("clip", "round", "around", "nan_to_num", "real", "imag")),
+        *(getattr(np, n) for n in ("angle", "fix", "isreal", "iscomplex", "sinc", "where")),
+        np.i0,
+        *(getattr(operator, n) for n in ("add", "sub", "mul", "truediv", "floordiv", "mod")),
+        *(getattr(operator, n) for n in ("pow", "neg", "pos", "abs", "invert", "and_", "or_")),
+        *(getattr(operator, n) for n in ("xor", "lshift", "rshift", "lt", "le", "eq", "ne")),
+        *(getattr(operator, n) for n in ("ge", "gt")),
+        chunk.astype,
+    ]
+)
+
+
+def _elementwise(task: Any) -> bool:
+    """Whether ``task`` (a Dask layer's task) works element by element, so that it may run
+    on pieces of its blocks (see :data:`_ELEMENTWISE`)."""
+    fn = task.func
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return isinstance(fn, np.ufunc) or fn in _ELEMENTWISE
 
 
 def partition_task(layer: Any) -> PartitionTask | None:
@@ -186,7 +218,10 @@ def _take_before(
     step = _stage_of_template(step_layer, source)
     if step is None:
         return None
-    fused = task.preceded(position, step)
+    whole = not _elementwise(step_layer.task)  # (np.sort: on the block, not a piece of it)
+    if whole and task.batch != 1:
+        return None  # it would run on the batch the partition joins
+    fused = task.preceded(position, step, whole)
     return rerouted(layer, task, fused, producer, source)
 
 
@@ -229,8 +264,10 @@ def _absorb_through(
         return None
     step = _stage_of_template(consumer, cut_name)
     reduces = _reduced_axes(consumer)
-    if step is None or cut.axis in reduces:
+    if step is None or cut.axis in reduces or None in reduces:
         return None
+    if not reduces and not _elementwise(consumer.task):
+        return None  # (np.sort on a batch is not np.sort on each of its blocks)
     probe = _probe(step, task)
     if not isinstance(probe, np.ndarray):
         return None  # (a mean's partial is a dict: it cannot be cut)
@@ -260,7 +297,8 @@ def _absorb(
         return None
     reduces = _reduced_axes(consumer)  # a reduction's first step: its axes
     dtype = _result_dtype(step, task)
-    return task.absorbed(step, None, bool(reduces), dtype, reduces)
+    whole = bool(reduces) or not _elementwise(consumer.task)
+    return task.absorbed(step, None, whole, dtype, reduces)
 
 
 def _store_target(layer: Blockwise) -> tuple[bool, Any]:

@@ -148,10 +148,13 @@ class PartitionTask:
             task.split_axis = task.out_split_axis = None
         return task
 
-    def preceded(self, position: int, step: Any) -> PartitionTask:
-        """A copy of this task whose ``func`` first applies ``step`` (a Dask elementwise
-        step, see :mod:`.program`) to its argument ``position``."""
+    def preceded(self, position: int, step: Any, whole: bool = False) -> PartitionTask:
+        """A copy of this task whose ``func`` first applies ``step`` (a Dask step, see
+        :mod:`.program`) to its argument ``position``; ``whole``: the copy runs whole
+        partitions (``step`` cannot be cut into sub-chunks)."""
         task = copy.copy(self)
+        if whole:
+            task.split_axis = task.out_split_axis = None
         program = self.func if isinstance(self.func, Program) else Program(self.func)
         before = ((position, step), *program.before)  # the new step is the earliest
         task.func = Program(program.first, before, program.then)
