@@ -137,6 +137,28 @@ def test_a_step_that_is_not_elementwise_after_a_stage_runs_on_whole_blocks(fn):
     np.testing.assert_array_equal(z.compute(), x.map_blocks(fn).compute() * 2)
 
 
+@pytest.mark.parametrize(
+    "build, label",
+    [
+        (lambda y: y.map_blocks(np.cumsum, axis=0), "cumsum"),
+        (lambda y: y.map_blocks(np.flip, axis=1), "flip"),
+        (lambda y: y.map_blocks(np.diff, axis=0, chunks=((63,) * 4, (24,))), "diff"),
+        (lambda y: da.cumsum(y, axis=1), "cumsum"),
+    ],
+    ids=["cumsum", "flip", "diff-shorter", "da-cumsum"],
+)
+def test_a_step_that_takes_an_axis_but_reduces_nothing_keeps_its_blocks_shape(build, label):
+    # Only a reduction's first step (axis= and keepdims=True) makes a block one element
+    # along its axes; np.diff's blocks are as its chunks= says, which no layer tells.
+    a, x = data()
+    z = build(stage(double, x))
+    assert steps(z)[0] == ["double", label]
+    want = build(x.map_blocks(double))
+    got = z.compute()
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want.compute())
+
+
 @pytest.mark.parametrize("fn", [np.sort, np.cumsum], ids=["sort", "cumsum"])
 def test_a_step_that_is_not_elementwise_is_kept_off_a_batch(fn):
     a, x = one_d()

@@ -111,8 +111,9 @@ def _absorb(
         return None
     reduces = reduced_axes(consumer)  # a reduction's first step: its axes
     dtype = result_dtype(step, task)
-    whole = bool(reduces) or not elementwise(consumer.task)
-    return task.absorbed(step, None, whole, dtype, reduces)
+    kept = elementwise(consumer.task)  # (np.sort: on whole blocks, and np.diff's extents
+    whole = bool(reduces) or not kept  # are not the layer's to say: left unchecked)
+    return task.absorbed(step, None, whole, dtype, reduces, shaped=kept or bool(reduces))
 
 
 def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:

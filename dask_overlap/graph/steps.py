@@ -208,10 +208,20 @@ def result_dtype(step: Template, task: PartitionTask) -> Any:
     return getattr(probe(step, task), "dtype", None)
 
 
-def reduced_axes(layer: Blockwise) -> tuple:
-    """The axes a Dask step reduces (a reduction's first step), ``()`` for none."""
-    axis = layer.task.kwargs.get("axis", ())
-    return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+def reduced_axes(layer: Blockwise) -> tuple[int, ...]:
+    """The axes a Dask step reduces, ``()`` for none. A reduction's first step is called
+    with ``axis=`` and ``keepdims=True`` (Dask's ``reduction`` normalises ``axis`` into a
+    tuple); other steps that take ``axis=`` keep their blocks' dimensions as they are
+    (``np.cumsum``) or change them in ways a layer does not say (``np.diff``)."""
+    kwargs = layer.task.kwargs
+    axis = kwargs.get("axis")
+    if kwargs.get("keepdims") is not True:
+        return ()
+    if isinstance(axis, int):
+        return (axis,)
+    if isinstance(axis, (tuple, list)) and all(isinstance(a, int) for a in axis):
+        return tuple(axis)
+    return ()
 
 
 def store_target(layer: Blockwise) -> tuple[bool, Any]:

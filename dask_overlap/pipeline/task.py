@@ -122,13 +122,15 @@ class PartitionTask:
         whole: bool,
         dtype: Any = None,
         reduces: tuple[int, ...] = (),
+        shaped: bool = True,
     ) -> PartitionTask:
         """A copy of this task whose ``func`` goes on with ``step`` (see
         :mod:`.program`): the partition of another stage (``then``: its name, output and
         options are the copy's), or a Dask step, whose output has ``dtype`` (``None``: not
         known) and, for the first step of a reduction over the axes ``reduces``, one
-        element along each of them. ``whole``: the copy runs whole partitions (its steps
-        cannot be cut into sub-chunks)."""
+        element along each of them; ``shaped``: the blocks' shape after it is known so
+        (false: the step may change it, and it goes unchecked). ``whole``: the copy runs
+        whole partitions (its steps cannot be cut into sub-chunks)."""
         task = copy.copy(self)
         program = self.func if isinstance(self.func, Program) else Program(self.func)
         task.func = Program(program.first, program.before, (*program.then, step))
@@ -139,7 +141,9 @@ class PartitionTask:
             task.out_split_axis = then.out_split_axis
         else:
             task.out_dtype = None if dtype is None else np.dtype(dtype)
-            if reduces and task.out_chunks is not None:
+            if not shaped and task.out_chunks is not None:
+                task.out_chunks = (None,) * len(task.out_chunks)
+            elif reduces and task.out_chunks is not None:
                 task.out_chunks = tuple(
                     _one_each(axis) if i in reduces else axis
                     for i, axis in enumerate(task.out_chunks)
