@@ -30,6 +30,7 @@ __all__ = [
     "AUTO_MIN_PARTITIONS",
     "PEAK_MULTIPLE",
     "CutBack",
+    "Gathered",
     "auto_batch",
     "joined",
     "split_arrays",
@@ -148,6 +149,25 @@ def worker_budget() -> int | None:
     return int(min(per_thread) * _memory_headroom())
 
 
+class Gathered(MaterializedLayer):
+    """The layer of :func:`joined`'s gather tasks, which also says what it gathers: the
+    blocks of ``source`` (``None`` where they are other layers' blocks, seen through
+    aliases), ``k`` at a time along its ``axis``. (Plain data, as :class:`CutBack`.)"""
+
+    def __init__(self, mapping: dict, source: str | None, axis: int, k: int):
+        super().__init__(mapping)
+        self.source, self.axis, self.k = source, axis, k
+
+    def regathered(self, name: str, source: str) -> Gathered:
+        """The same gathers, named ``name``, of the blocks of ``source`` where they were of
+        ``self.source`` (an array of the same grid: the one an elementwise step read)."""
+        mapping = {}
+        for key, (fn, axis, *keys) in self.mapping.items():
+            blocks = ((source, *block[1:]) for block in keys)
+            mapping[(name, *key[1:])] = (fn, axis, *blocks)
+        return Gathered(mapping, source, self.axis, self.k)
+
+
 class CutBack(MaterializedLayer):
     """The layer of :func:`unbatched`'s slice tasks, which also says what it cuts: the
     layer ``batched`` (the partitions' outputs, of ``chunks`` and ``meta``), along ``axis``,
@@ -224,8 +244,9 @@ def joined(arrays: Sequence[Any], positions: tuple[int, ...], ndim: int, axis: i
         chunks = list(x.chunks)
         chunks[ax] = tuple(sum(x.chunks[ax][s : s + k]) for s in starts)
         deps = {layer_of(t) for t in subs.values()} if subs else {x.name}
+        layer = Gathered(dsk, None if subs else x.name, ax, k)
         graph = HighLevelGraph(
-            {**x.dask.layers, name: MaterializedLayer(dsk)},
+            {**x.dask.layers, name: layer},
             {**x.dask.dependencies, name: deps},
         ).cull_layers([name])
         out[i] = da.Array(graph, name, tuple(chunks), meta=x._meta)

@@ -61,7 +61,7 @@ from .steps import (
     store_of,
     store_target,
 )
-from .through import fuse_through
+from .through import fuse_through, take_through_gather
 
 __all__ = ["explain", "fuse", "install", "optimize"]
 
@@ -138,6 +138,9 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
             task = partition_task(layer)
             if task is None:
                 continue
+            if take_through_gather(layers, deps, readers, wanted, name):
+                changed = True
+                break  # (a batched stage's joined input: see .through)
             for producer in deps.get(name, ()):
                 if producer in wanted or readers.get(producer) != {name}:
                     continue

@@ -14,13 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from dask.base import tokenize
 from dask.blockwise import Blockwise
 
 from ..pipeline.task import PartitionTask
-from .batch import CutBack
-from .rewrite import retargeted
+from .batch import CutBack, Gathered
+from .rewrite import rerouted, retargeted
 from .steps import (
+    argument_positions,
     elementwise,
+    elementwise_input,
     grid,
     own_annotations,
     partition_task,
@@ -30,7 +33,7 @@ from .steps import (
     stage_of_template,
 )
 
-__all__ = ["fuse_through"]
+__all__ = ["fuse_through", "take_through_gather"]
 
 
 def _absorb_through(
@@ -78,3 +81,70 @@ def fuse_through(
     deps[consumer] = {name}
     del layers[cut_name], deps[cut_name]
     return True
+
+
+def take_through_gather(layers: dict, deps: dict, readers: dict, wanted: set, name: str) -> bool:
+    """Take into the batched partition layer ``name`` what the blocks one of its gathers
+    (a :class:`~.batch.Gathered` only it reads) joins were made by, where that can run on
+    the joined batch: an elementwise Dask step (run before ``func``, the gather then
+    gathers the blocks that step read), or the cut-back of a stage whose batches line up
+    with the gather's (the same axis and ``k``: the partition reads those batches as they
+    are, and the cut and the join are never made). Whether one was (``layers`` and
+    ``deps`` changed in place)."""
+    layer = layers[name]
+    task = partition_task(layer)
+    for gathered in deps.get(name, ()):
+        gather = layers[gathered]
+        if not isinstance(gather, Gathered) or gathered in wanted:
+            continue
+        if readers.get(gathered) != {name} or [v for v, _ in layer.indices].count(gathered) != 1:
+            continue
+        source = gather.source
+        if source is None or source in wanted or source not in layers:
+            continue
+        made = layers[source]
+        if isinstance(made, CutBack):
+            batched = _lined_up(made, gather, tuple(layer.numblocks[gathered]))
+            if batched is None:
+                continue
+            layers[name] = rerouted(layer, task, task, gathered, batched)
+            deps[name] = (deps[name] - {gathered}) | {batched}
+            del layers[gathered], deps[gathered]
+            if readers.get(source) == {gathered}:
+                del layers[source], deps[source]
+            return True
+        if readers.get(source) != {gathered}:
+            continue
+        step = _elementwise_step(made, layer)
+        if step is None:
+            continue
+        position = argument_positions(layer, task)[gathered]
+        renamed = "overlap-batch-" + tokenize(gathered, step.token, made.output)
+        layers[renamed] = gather.regathered(renamed, elementwise_input(made))
+        deps[renamed] = set(deps.pop(source))
+        layers[name] = rerouted(layer, task, task.preceded(position, step), gathered, renamed)
+        deps[name] = (deps[name] - {gathered}) | {renamed}
+        del layers[gathered], deps[gathered], layers[source]
+        return True
+    return False
+
+
+def _lined_up(cut: CutBack, gather: Gathered, grid: tuple[int, ...]) -> str | None:
+    """The batched layer whose blocks ``gather`` would join anew from ``cut``'s blocks, where
+    each batch it gathers is one of the cut's batches (the same axis, ``k`` and grid)."""
+    if (cut.axis, cut.k) != (gather.axis, gather.k):
+        return None
+    if tuple(len(c) for c in cut.chunks) != grid:
+        return None
+    return cut.batched
+
+
+def _elementwise_step(made: Any, layer: Blockwise) -> Any:
+    """``made`` as a step that may run on a joined batch, before the partition of ``layer``:
+    an elementwise Dask step of the partition's annotations; else ``None``."""
+    source = elementwise_input(made)
+    if source is None or not elementwise(made.task):
+        return None  # (np.sort of a batch is not the join of np.sort of its blocks)
+    if own_annotations(made) != own_annotations(layer):
+        return None
+    return stage_of_template(made, source)
