@@ -22,9 +22,10 @@ from dask.base import tokenize
 from dask.utils import funcname
 
 from ..backends import kernels_kept
+from .blocks import BatchBlocks
 from .current import get_runtime
 from .partition import PartitionSpec, run_partition
-from .program import Program
+from .program import EachBlock, Program
 from .store import Store
 
 __all__ = ["PartitionTask", "PartitionTaskWithInfo", "axis_extents", "block_shape"]
@@ -102,6 +103,8 @@ class PartitionTask:
         self.out_chunks: tuple[tuple | None, ...] | None = None  # per axis: see axis_extents
         self.out_dtype: np.dtype | None = None
         self.store: Store | None = None  # a fused store after the steps (see .store)
+        # A batch's blocks, where the partition's result is one a block (see .blocks).
+        self.blocks: BatchBlocks | None = None
 
     def declared(
         self, name: str, chunks: tuple[tuple[float, ...], ...], dtype: Any
@@ -150,6 +153,23 @@ class PartitionTask:
                 )
         if whole:
             task.split_axis = task.out_split_axis = None
+        return task
+
+    def each_block(self, step: Any, blocks: BatchBlocks) -> PartitionTask:
+        """A copy of this task (a batch of ``blocks``) whose ``func`` goes on with ``step``
+        run on each block's piece of the batch (:class:`~.program.EachBlock`): its result
+        is then one a block, a tuple (see :mod:`.blocks`), with no shape or dtype of its
+        own to check, and it runs whole partitions."""
+        task = self.absorbed(EachBlock(step, blocks.axis), None, True)
+        task.out_chunks, task.blocks = None, blocks
+        return task
+
+    def each_stored(self, store: Store, name: str, blocks: BatchBlocks) -> PartitionTask:
+        """A copy of this task (a batch of ``blocks``) that writes its batch as ``store``
+        says (see :meth:`stored`), then returns what Dask's store step returns for each
+        of its blocks, a tuple."""
+        task = self.stored(store, name)
+        task.blocks = blocks
         return task
 
     def preceded(self, position: int, step: Any, whole: bool = False) -> PartitionTask:
@@ -206,6 +226,7 @@ class PartitionTask:
             self.out_mode,
             self.batch,
             self.store is not None,
+            self.blocks,
         )
 
     def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
@@ -219,6 +240,11 @@ class PartitionTask:
             *args, target = args
             index = store.index(self.out_chunks, block_id or ())
             into = store.into(target, index)
+        func, blocks, extents = self.func, self.blocks, None
+        if blocks is not None:  # a batch whose result is one a block: which blocks
+            extents = blocks.of((block_id or ())[blocks.axis])
+            if isinstance(func, Program):
+                func = func.at(extents)
         # In the fields' order, not by keyword: twelve keywords cost a dataclass's
         # __init__ more than the rest of the spec does, and this runs per partition.
         spec = PartitionSpec(
@@ -237,8 +263,13 @@ class PartitionTask:
             self.batch,
             into,
         )
-        result = run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
-        return result if store is None else store.finish(result, target, into, index)
+        result = run_partition(get_runtime(self.backend), func, args, kwargs, spec)
+        if store is None:
+            return result
+        if blocks is not None:
+            indexes = store.indexes(self.out_chunks, block_id, blocks.axis, extents)
+            return store.finish_each(result, target, into, indexes, blocks.axis, extents)
+        return store.finish(result, target, into, index)
 
     def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
         return self._run(args, block_id, None, kwargs)
