@@ -17,6 +17,7 @@ from support import wait_until_idle
 import dask_overlap
 from dask_overlap import LocalGPUCluster
 from dask_overlap.graph.batch import CutBack
+from dask_overlap.pipeline.blocks import PerBlock
 
 
 def data() -> tuple[np.ndarray, da.Array]:
@@ -469,42 +470,225 @@ def test_an_elementwise_step_between_two_auto_stages_leaves_one_partition_a_batc
     assert wait_until_idle()["partitions"] == x.npartitions // k
 
 
+def on_the_batch(a: np.ndarray, build: Any) -> da.Array:
+    """``build`` on a plain Dask stage over ``a``'s blocks: what a fused one must equal."""
+    return build(da.from_array(a, chunks=(64, 16)).map_blocks(double))
+
+
 @pytest.mark.parametrize(
     "build, taken",
     [
         (lambda y: y * 2 + 1, ["mul", "add"]),
         (lambda y: y.astype("f4").max(axis=1), ["astype", "chunk_max"]),
         (lambda y: y.sum(axis=1, keepdims=True), ["sum"]),
-        (lambda y: y.sum(axis=0), []),  # along the batches: partials a block are needed
-        (lambda y: y.mean(axis=1), []),  # a mean's partial is a dict, which cannot be cut
     ],
-    ids=["elementwise", "astype-max", "sum-rows", "sum-along-batches", "mean"],
+    ids=["elementwise", "astype-max", "sum-rows"],
 )
-def test_steps_after_an_auto_stage_over_small_blocks_run_before_the_cut_back(
-    auto_joins, build, taken
+def test_steps_after_an_auto_stage_run_on_its_batches_before_the_cut_back(auto_joins, build, taken):
+    # Running these on a batch is running them on each of its blocks: the cut cuts their
+    # output, and nothing is said to run block by block.
+    a, x = small()
+    z = build(dask_overlap.map_blocks(double, x, split_axis=0))
+    k = joined(z)
+    assert steps(z) == [["double", *taken]]
+    assert "on each block" not in dask_overlap.explain(z)
+    want = on_the_batch(a, build)
+    got = z.compute()
+    assert z.chunks == want.chunks and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want.compute())
+    assert wait_until_idle()["partitions"] == x.npartitions // k
+
+
+BATCH_REDUCTIONS = [*REDUCTIONS, "nanmin", "nanprod", "nanvar", "nanstd"]
+
+
+@pytest.mark.parametrize("how", BATCH_REDUCTIONS)
+@pytest.mark.parametrize("axis", [None, 0, 1, (0, 1)], ids=["all", "0", "1", "both"])
+@pytest.mark.parametrize("keepdims", [False, True], ids=["", "keepdims"])
+def test_reductions_after_an_auto_stage_take_their_first_step_into_its_batches(
+    auto_joins, how, axis, keepdims
 ):
+    # Along the batches' axis, or with a partial that is a dict (mean, var, std), the step
+    # runs on each block of a batch and the cut takes each block's partial: Dask's tree
+    # then gets exactly the partials it would have made.
+    a, x = small()
+
+    def build(y: da.Array) -> da.Array:
+        return getattr(da, how)(y * 0.5 + 1, axis=axis, keepdims=keepdims)
+
+    z = build(dask_overlap.map_blocks(double, x, split_axis=0))
+    k = joined(z)
+    chain = steps(z)
+    assert len(chain) == 1 and chain[0][:3] == ["double", "mul", "add"], chain
+    assert len(chain[0]) == 4, dask_overlap.explain(z)
+    want = on_the_batch(a, build)
+    got = z.compute()
+    assert z.chunks == want.chunks and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want.compute())
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions // k
+    assert stats["bytes_d2h"] < a.nbytes // 4  # partials, not blocks
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda y: (y > 0).any(axis=0),
+        lambda y: (y > 0).all(axis=1, keepdims=True),
+        lambda y: y.sum(axis=0, dtype="f4"),
+        lambda y: y.astype("f4").mean(axis=0, dtype="f8"),
+        lambda y: y.var(axis=0, ddof=1),
+    ],
+    ids=["any-0", "all-1", "sum-dtype", "mean-dtype", "var-ddof"],
+)
+def test_more_reductions_after_an_auto_stage(auto_joins, build):
+    a, x = small()
+    z = build(dask_overlap.map_blocks(double, x, split_axis=0))
+    joined(z)
+    assert len(steps(z)) == 1 and len(steps(z)[0]) >= 2
+    want = on_the_batch(a, build)
+    got = z.compute()
+    assert z.chunks == want.chunks and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want.compute())
+
+
+def test_explain_says_what_runs_on_each_block_of_a_batch(auto_joins):
     a, x = small()
     y = dask_overlap.map_blocks(double, x, split_axis=0)
-    z = build(y)
+    k = joined(y)
+    text = dask_overlap.explain(y.sum(axis=0))
+    assert f": {x.npartitions // k} partitions of double -> sum (fused: 2 steps" in text
+    assert text.endswith(f", whole partitions, batches of {k} blocks: sum on each block")
+    stored = da.store(y, np.zeros(a.shape), lock=False, compute=False)
+    assert dask_overlap.explain(stored).endswith(
+        f"(fused: 2 steps, one copy in and one out), batches of {k} blocks: each block "
+        "stored in its region"
+    )
+
+
+@pytest.mark.parametrize(
+    "build, label",
+    [
+        (lambda y: y.map_blocks(np.sort, axis=0), "sort"),
+        (lambda y: y.map_blocks(np.cumsum, axis=0), "cumsum"),
+        (lambda y: da.cumsum(y, axis=0), "cumsum"),
+        (lambda y: y.map_blocks(np.diff, axis=0, chunks=((63,) * 64, (16,))), "diff"),
+    ],
+    ids=["sort", "cumsum", "da-cumsum", "diff-shorter"],
+)
+def test_a_step_that_is_not_elementwise_after_an_auto_stage_runs_on_each_block(
+    auto_joins, build, label
+):
+    a, x = small()
+    z = build(dask_overlap.map_blocks(double, x, split_axis=0))
+    k = joined(z)
+    assert steps(z) == [["double", label]]
+    assert dask_overlap.explain(z).endswith(f"batches of {k} blocks: {label} on each block")
+    want = on_the_batch(a, build)
+    got = z.compute()
+    assert z.chunks == want.chunks and got.shape == want.shape
+    np.testing.assert_array_equal(got, want.compute())
+    assert wait_until_idle()["partitions"] == x.npartitions // k
+
+
+def test_nothing_is_taken_through_results_one_a_block(auto_joins):
+    # Each block's result is its own (np.diff's may even be shorter): a step after them
+    # is left as it is, and reads them from the cut.
+    a, x = small()
+
+    def build(y: da.Array) -> da.Array:
+        return y.map_blocks(np.sort, axis=0) * 2 + 1
+
+    z = build(dask_overlap.map_blocks(double, x, split_axis=0))
     joined(z)
-    assert steps(z) == [["double", *taken]]
-    want = build(da.from_array(a * 2, chunks=(64, 16)))
-    assert z.chunks == want.chunks and z.dtype == want.dtype
-    np.testing.assert_allclose(z.compute(), want.compute())
+    assert steps(z) == [["double", "sort"]]
+    np.testing.assert_array_equal(z.compute(), on_the_batch(a, build).compute())
 
 
 @pytest.mark.parametrize("fn", [np.sort, np.cumsum], ids=["sort", "cumsum"])
-def test_a_step_that_is_not_elementwise_is_kept_off_a_batch(auto_joins, fn):
+def test_a_step_that_is_not_elementwise_before_a_batched_stage_is_left_as_it_is(auto_joins, fn):
     a, x = one_d()
-    small = x.rechunk(64)  # 64 blocks of 512 B: joined in batches
-    before = dask_overlap.map_blocks(double, small.map_blocks(fn), split_axis=0)
-    after = dask_overlap.map_blocks(double, small, split_axis=0).map_blocks(fn)
-    joined(before), joined(after)
-    assert steps(before) == [["double"]] and steps(after) == [["double"]]
-    assert before.chunks == after.chunks == small.chunks
-    want = small.map_blocks(fn).compute() * 2
-    np.testing.assert_array_equal(before.compute(), want)
-    np.testing.assert_array_equal(after.compute(), want)
+    small = x.rechunk(64)  # 64 blocks of 512 B
+    z = dask_overlap.map_blocks(double, small.map_blocks(fn), split_axis=0)
+    joined(z)
+    assert steps(z) == [["double"]]  # (never on the joined batch)
+    assert z.chunks == small.chunks
+    np.testing.assert_array_equal(z.compute(), small.map_blocks(fn).compute() * 2)
+
+
+def test_a_store_after_an_auto_stage_fills_each_batchs_region_in_place(auto_joins, recording):
+    a, x = small()
+    y = dask_overlap.map_blocks(double, x, split_axis=0, sub_chunk_bytes="16KiB")
+    k = joined(y)
+    target = np.zeros(a.shape).view(recording)
+    stored = da.store(y, target, lock=False, compute=False)
+    assert steps(stored) == [["double", "store"]]
+    stored.compute()
+    np.testing.assert_array_equal(np.asarray(target), a * 2)
+    assert recording.writes == 0  # each batch's sub-chunks went into its region itself
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions // k
+    assert stats["sub_chunks"] > x.npartitions // k  # (a store is not a whole-block step)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"lock": True}, {"regions": (slice(16, 4112),)}, {"return_stored": True}, {}],
+    ids=["lock", "regions", "return-stored", "strided"],
+)
+def test_a_store_after_an_auto_stage_does_what_dask_store_does(auto_joins, recording, kwargs):
+    a, x = small()
+    y = dask_overlap.map_blocks(double, x, split_axis=0)
+    k = joined(y)
+    shape = (4128, 16) if "regions" in kwargs else a.shape
+    got, want = np.zeros(shape), np.zeros(shape)
+    if not kwargs:  # a region not filled in place: written block by block, as Dask writes it
+        got = np.zeros(shape[::-1]).T.view(recording)
+    assert steps(da.store(y, got, compute=False, **kwargs)) == [["double", "store"]]
+    out = da.store(y, got, **kwargs)
+    assert wait_until_idle()["partitions"] == x.npartitions // k
+    with dask.config.set({"overlap.fuse": False}):
+        expected = da.store(y, want, **kwargs)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    if not kwargs:
+        assert recording.writes == x.npartitions
+    if kwargs.get("return_stored"):
+        assert out.chunks == expected.chunks
+        np.testing.assert_array_equal(out.compute(), expected.compute())
+
+
+def test_to_zarr_after_an_auto_stage(auto_joins, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    a, x = small()
+    y = dask_overlap.map_blocks(double, x, split_axis=0)
+    k = joined(y)
+    assert steps(y.to_zarr(str(tmp_path / "a.zarr"), compute=False)) == [["double", "store"]]
+    y.to_zarr(str(tmp_path / "b.zarr"))
+    np.testing.assert_array_equal(zarr.open(str(tmp_path / "b.zarr"))[:], a * 2)
+    assert wait_until_idle()["partitions"] == x.npartitions // k
+
+
+def test_results_one_a_block_come_back_in_one_copy_where_they_can_be_joined():
+    # The cuda backend's path, with NumPy arrays standing for device ones: partials of a
+    # batch's blocks, joined along the cut's axis on the device, come back in one copy a
+    # key, and each block's result is a view of it.
+    fetched: list[tuple] = []
+
+    def fetch(v: np.ndarray) -> np.ndarray:
+        fetched.append(v.shape)
+        return v.copy()
+
+    parts = [{"n": np.full((1, 3), i), "total": np.full((1, 3), 2.0 * i)} for i in range(4)]
+    out = PerBlock(parts, axis=0).fetched(lambda v: True, fetch)
+    assert fetched == [(4, 3), (4, 3)] and len(out) == 4
+    for i, r in enumerate(out):
+        np.testing.assert_array_equal(r["total"], parts[i]["total"])
+    fetched.clear()
+    odd = [np.ones((2, 3)), np.ones((1, 4))]  # not joinable: one copy each
+    out = PerBlock(odd, axis=0).fetched(lambda v: True, fetch)
+    assert fetched == [(2, 3), (1, 4)] and [r.shape for r in out] == [(2, 3), (1, 4)]
+    mixed = [{"n": np.ones(1)}, None]  # (no device array: as it is)
+    assert PerBlock(mixed, axis=0).fetched(lambda v: False, fetch)[1] is None
 
 
 # -- clusters ------------------------------------------------------------------------------

@@ -15,18 +15,20 @@ on device arrays as they are (a function that is neither a NumPy ufunc nor an op
 NumPy function or Dask chunk function), layers whose annotations differ from the
 partition's (a user's ``dask.annotate``), and everything when ``overlap.fuse`` is false.
 A step is taken only where its blocks are the partition's blocks, one to one. What a
-layer is as a step, and where it may run, is :mod:`.steps`'; fusion through the cut after
-a ``batch="auto"`` stage is :mod:`.through`'s.
+layer is as a step, and where it may run, is :mod:`.steps`'; fusion through the batches
+of a batched stage (the join before it, the cut after a ``batch="auto"`` one) is
+:mod:`.through`'s.
 
 The store step of ``da.store`` (and ``to_zarr``) after a partition ends it too: the
 partition writes its result into the target (see :mod:`~dask_overlap.pipeline.store`).
 
 A reduction's step ends the partition's program and makes it one whole sub-chunk (its
 partial of a sub-chunk would not be the partial of the partition); so does any step that
-does not work element by element (``np.sort``, ``np.cumsum``: see :data:`.steps.ELEMENTWISE`),
-and a partition stage whose ``split_axis`` differs from the one before. Such a step is
-not taken into a partition that joins several blocks (``batch``), nor through the cut
-after one: it would run on the batch, not on each block.
+does not work element by element (``np.sort``, ``np.cumsum``: see
+:data:`.steps.ELEMENTWISE`), and a partition stage whose ``split_axis`` differs from the
+one before. Such a step never runs on a batch of joined blocks: before a batched stage it
+is left as it is; after an auto one it runs on each block of the batch (see
+:mod:`.through`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from .steps import (
     grid,
     own_annotations,
     partition_task,
+    reads,
     reads_blockwise,
     reduced_axes,
     result_dtype,
@@ -76,7 +79,7 @@ def _take_before(
     if source is None or own_annotations(step_layer) != own_annotations(layer):
         return None
     position = argument_positions(layer, task).get(producer)
-    if position is None or [v for v, _ in layer.indices].count(producer) != 1:
+    if position is None or reads(layer, producer) != 1:
         return None
     step = stage_of_template(step_layer, source)
     if step is None:
@@ -234,5 +237,16 @@ def explain(*collections: Any) -> str:
         what = " -> ".join(steps)
         how = f" (fused: {len(steps)} steps, one copy in and one out)" if len(steps) > 1 else ""
         whole = "" if task.split_axis is not None else ", whole partitions"
-        lines.append(f"{name}: {n} partitions of {what}{how}{whole if how else ''}")
+        lines.append(f"{name}: {n} partitions of {what}{how}{whole + _each(task) if how else ''}")
     return "\n".join(lines)
+
+
+def _each(task: PartitionTask) -> str:
+    """What ``task``'s partitions run on each block of their batches, for :func:`explain`."""
+    if task.blocks is None:
+        return ""
+    each = task.func.per_block if isinstance(task.func, Program) else []
+    parts = [f"{' -> '.join(each)} on each block"] if each else []
+    if task.store is not None:
+        parts.append("each block stored in its region")
+    return f", batches of {task.blocks.k} blocks: {'; '.join(parts)}"

@@ -37,6 +37,7 @@ __all__ = [
     "own_annotations",
     "partition_task",
     "probe",
+    "reads",
     "reads_blockwise",
     "reduced_axes",
     "result_dtype",
@@ -107,6 +108,12 @@ def own_annotations(layer: Any) -> dict:
 def grid(layer: Blockwise) -> tuple[int, ...]:
     """How many blocks ``layer`` makes along each axis."""
     return tuple(layer.dims[i] for i in layer.output_indices)
+
+
+def reads(layer: Blockwise, name: str) -> int:
+    """How many times ``layer`` reads the array ``name`` (not its constants: a store's
+    target, taken in as a constant, is an array that ``==`` would compare element-wise)."""
+    return sum(1 for value, index in layer.indices if index is not None and value == name)
 
 
 def reads_blockwise(layer: Blockwise, name: str, grid: tuple[int, ...]) -> bool:
