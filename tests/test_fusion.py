@@ -18,6 +18,7 @@ import dask_overlap
 from dask_overlap import LocalGPUCluster
 from dask_overlap.graph.batch import CutBack
 from dask_overlap.pipeline.blocks import PerBlock
+from dask_overlap.pipeline.program import PREVIOUS, Call, EachBlock
 
 
 def data() -> tuple[np.ndarray, da.Array]:
@@ -666,6 +667,34 @@ def test_to_zarr_after_an_auto_stage(auto_joins, tmp_path):
     y.to_zarr(str(tmp_path / "b.zarr"))
     np.testing.assert_array_equal(zarr.open(str(tmp_path / "b.zarr"))[:], a * 2)
     assert wait_until_idle()["partitions"] == x.npartitions // k
+
+
+def test_a_dict_partial_over_other_axes_is_made_once_a_batch_and_cut(auto_joins):
+    a, x = small()
+    y = dask_overlap.map_blocks(double, x, split_axis=0)
+    k = joined(y)
+    z = y.mean(axis=1)
+    assert dask_overlap.explain(z).endswith(
+        f"batches of {k} blocks: mean_chunk's partial cut into the blocks'"
+    )
+    np.testing.assert_array_equal(z.compute(), on_the_batch(a, lambda y: y.mean(axis=1)).compute())
+
+
+def test_each_block_runs_a_step_on_the_batch_only_where_its_partial_can_be_cut():
+    calls: list[tuple] = []
+
+    def partial(b: np.ndarray, scalar: bool) -> dict:
+        calls.append(b.shape)
+        total = b.sum(axis=1, keepdims=True)
+        return {"total": total, "n": b.shape[1] if scalar else np.full_like(total, b.shape[1])}
+
+    batch = np.arange(24.0).reshape(6, 4)
+    for scalar, made in [(False, [(6, 4)]), (True, [(6, 4), (2, 4), (3, 4), (1, 4)])]:
+        calls.clear()
+        step = EachBlock(Call("p", partial, (PREVIOUS, scalar), {}), 0, (2, 3, 1), on_batch=True)
+        out = step(batch).results
+        assert calls == made  # (a scalar count cannot be cut: made block by block instead)
+        np.testing.assert_array_equal(out[1]["total"], batch[2:5].sum(axis=1, keepdims=True))
 
 
 def test_results_one_a_block_come_back_in_one_copy_where_they_can_be_joined():

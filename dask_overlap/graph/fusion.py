@@ -246,7 +246,10 @@ def _each(task: PartitionTask) -> str:
     if task.blocks is None:
         return ""
     each = task.func.per_block if isinstance(task.func, Program) else []
-    parts = [f"{' -> '.join(each)} on each block"] if each else []
+    parts = [
+        f"{s.label}'s partial cut into the blocks'" if s.on_batch else f"{s.label} on each block"
+        for s in each
+    ]
     if task.store is not None:
         parts.append("each block stored in its region")
     return f", batches of {task.blocks.k} blocks: {'; '.join(parts)}"

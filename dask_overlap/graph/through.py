@@ -84,7 +84,7 @@ def _absorb_through(
         return fused, cut.meta.astype(found.dtype)
     if blocks is None:
         return None
-    return task.each_block(step, blocks), None
+    return task.each_block(step, blocks, on_batch and type(found) is dict), None
 
 
 def _blocks_of(cut: CutBack) -> BatchBlocks | None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .layout import along
 
-__all__ = ["BatchBlocks", "PerBlock"]
+__all__ = ["BatchBlocks", "PerBlock", "cut", "pieces"]
 
 
 class BatchBlocks(NamedTuple):
@@ -57,6 +57,20 @@ def pieces(value: Any, axis: int, extents: tuple[int, ...], name: str) -> list[A
         out.append(value[along(axis, start, start + e)])
         start += e
     return out
+
+
+def cut(value: Any, axis: int, extents: tuple[int, ...]) -> list[Any] | None:
+    """``value`` (an array, or a dict of arrays: a reduction's partial over other axes
+    than ``axis``) cut along ``axis`` into the blocks' parts of ``extents``, one a block;
+    ``None`` where an array's extent along it is not theirs together."""
+    if type(value) is dict:
+        columns = {k: cut(v, axis, extents) for k, v in value.items()}
+        if any(c is None for c in columns.values()):
+            return None
+        return [{k: c[i] for k, c in columns.items()} for i in range(len(extents))]
+    if getattr(value, "ndim", 0) <= axis or value.shape[axis] != sum(extents):
+        return None
+    return pieces(value, axis, extents, "")
 
 
 class PerBlock:

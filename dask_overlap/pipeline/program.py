@@ -26,7 +26,7 @@ from typing import Any
 from dask.base import tokenize
 from dask.utils import funcname
 
-from .blocks import PerBlock, pieces
+from .blocks import PerBlock, cut, pieces
 
 __all__ = ["PREVIOUS", "Call", "EachBlock", "Program", "Template"]
 
@@ -97,12 +97,21 @@ class Template:
 class EachBlock:
     """``step`` run on each block's piece of a batch's output, cut along ``axis`` into the
     blocks' ``extents`` (a partition's own: unbound, ``None``, until :meth:`at`); its value
-    is their results, one a block (:class:`~.blocks.PerBlock`)."""
+    is their results, one a block (:class:`~.blocks.PerBlock`). ``on_batch``: ``step`` is
+    a reduction over other axes than ``axis``, so it runs once on the batch, and its
+    partial (a dict: it cannot be cut as a block) is cut into the blocks' instead, where
+    it can be."""
 
-    __slots__ = ("axis", "extents", "step")
+    __slots__ = ("axis", "extents", "on_batch", "step")
 
-    def __init__(self, step: Call | Template, axis: int, extents: tuple[int, ...] | None = None):
-        self.step, self.axis, self.extents = step, axis, extents
+    def __init__(
+        self,
+        step: Call | Template,
+        axis: int,
+        extents: tuple[int, ...] | None = None,
+        on_batch: bool = False,
+    ):
+        self.step, self.axis, self.extents, self.on_batch = step, axis, extents, on_batch
 
     @property
     def name(self) -> str:
@@ -114,19 +123,23 @@ class EachBlock:
 
     def at(self, extents: tuple[int, ...]) -> EachBlock:
         """The same step, for a batch of blocks of ``extents`` along its axis."""
-        return EachBlock(self.step, self.axis, extents)
+        return EachBlock(self.step, self.axis, extents, self.on_batch)
 
     def __call__(self, value: Any) -> PerBlock:
         if self.extents is None:  # pragma: no cover - a partition task binds it (task.py)
             raise RuntimeError(f"{self.label}: run on each block of a batch not said")
+        if self.on_batch:
+            results = cut(self.step(value), self.axis, self.extents)
+            if results is not None:
+                return PerBlock(results, self.axis)
         parts = pieces(value, self.axis, self.extents, self.label)
         return PerBlock([self.step(part) for part in parts], self.axis)
 
     def __reduce__(self) -> tuple:
-        return EachBlock, (self.step, self.axis, self.extents)
+        return EachBlock, (self.step, self.axis, self.extents, self.on_batch)
 
     def __dask_tokenize__(self) -> Any:
-        return ("EachBlock", self.step, self.axis, self.extents)
+        return ("EachBlock", self.step, self.axis, self.extents, self.on_batch)
 
 
 Step = Call | Template | EachBlock
@@ -162,9 +175,9 @@ class Program:
         return [s.label for _, s in self.before] + first + [s.label for s in self.then]
 
     @property
-    def per_block(self) -> list[str]:
-        """The names of the steps run on each block of a batch (:class:`EachBlock`)."""
-        return [s.label for s in self.then if isinstance(s, EachBlock)]
+    def per_block(self) -> list[EachBlock]:
+        """The steps whose results are one a block of a batch (:class:`EachBlock`)."""
+        return [s for s in self.then if isinstance(s, EachBlock)]
 
     def at(self, extents: tuple[int, ...]) -> Program:
         """This program for a batch of blocks of ``extents`` along the axis its
