@@ -531,6 +531,37 @@ def test_reductions_after_an_auto_stage_take_their_first_step_into_its_batches(
     assert stats["bytes_d2h"] < a.nbytes // 4  # partials, not blocks
 
 
+LAYOUTS = {  # shape, chunks, split_axis
+    "last-block-short": ((1000, 7), (16, 7), 0),  # a last batch of blocks of two extents
+    "split-axis-1": ((8, 2048), (8, 32), 1),  # each block a strided piece of its batch
+    "3-d": ((6, 1024, 5), (6, 16, 5), 1),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("how", ["sum", "mean", "var", "nanmax"])
+@pytest.mark.parametrize("axis", [None, "split", "other"])
+def test_reductions_after_an_auto_stage_of_other_layouts(auto_joins, layout, how, axis):
+    # Blocks of one extent, contiguous in their batch, are folded into one call of the
+    # step (each reduced as it would be alone); others run block by block: exactly
+    # Dask's either way.
+    shape, chunks, split = LAYOUTS[layout]
+    a = np.random.default_rng(5).standard_normal(shape)
+    x = da.from_array(a, chunks=chunks)
+    ax = {None: None, "split": split, "other": (split + 1) % len(shape)}[axis]
+
+    def build(y: da.Array) -> da.Array:
+        return getattr(da, how)(y * 0.5 + 1, axis=ax)
+
+    z = build(dask_overlap.map_blocks(double, x, split_axis=split))
+    joined(z)
+    assert len(steps(z)) == 1 and len(steps(z)[0]) == 4
+    want = build(x.map_blocks(double))
+    got = z.compute()
+    assert z.chunks == want.chunks and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want.compute())
+
+
 @pytest.mark.parametrize(
     "build",
     [
@@ -691,10 +722,33 @@ def test_each_block_runs_a_step_on_the_batch_only_where_its_partial_can_be_cut()
     batch = np.arange(24.0).reshape(6, 4)
     for scalar, made in [(False, [(6, 4)]), (True, [(6, 4), (2, 4), (3, 4), (1, 4)])]:
         calls.clear()
-        step = EachBlock(Call("p", partial, (PREVIOUS, scalar), {}), 0, (2, 3, 1), on_batch=True)
+        step = EachBlock(Call("p", partial, (PREVIOUS, scalar), {}), 0, (2, 3, 1), how="batch")
         out = step(batch).results
         assert calls == made  # (a scalar count cannot be cut: made block by block instead)
         np.testing.assert_array_equal(out[1]["total"], batch[2:5].sum(axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize(
+    "batch, extents, calls",
+    [
+        (np.arange(24.0).reshape(6, 4), (2, 2, 2), 1),  # folded: one call
+        (np.arange(24.0).reshape(6, 4), (2, 3, 1), 3),  # blocks of other extents
+        (np.asfortranarray(np.arange(24.0).reshape(6, 4)), (2, 2, 2), 3),  # strided blocks
+    ],
+    ids=["folded", "extents", "strided"],
+)
+def test_each_block_folds_a_batch_only_where_each_block_is_reduced_as_alone(batch, extents, calls):
+    made: list[tuple] = []
+
+    def total(b: np.ndarray) -> np.ndarray:
+        made.append(b.shape)
+        return np.sum(b, axis=(0,), keepdims=True)
+
+    out = EachBlock(Call("t", total, (PREVIOUS,), {}), 0, extents, how="fold")(batch).results
+    assert len(made) == calls
+    starts = np.cumsum((0, *extents))
+    for r, lo, hi in zip(out, starts, starts[1:], strict=False):
+        np.testing.assert_array_equal(r, batch[lo:hi].sum(axis=0, keepdims=True))
 
 
 def test_results_one_a_block_come_back_in_one_copy_where_they_can_be_joined():

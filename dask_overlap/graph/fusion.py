@@ -247,7 +247,9 @@ def _each(task: PartitionTask) -> str:
         return ""
     each = task.func.per_block if isinstance(task.func, Program) else []
     parts = [
-        f"{s.label}'s partial cut into the blocks'" if s.on_batch else f"{s.label} on each block"
+        f"{s.label}'s partial cut into the blocks'"
+        if s.how == "batch"
+        else f"{s.label} on each block"
         for s in each
     ]
     if task.store is not None:

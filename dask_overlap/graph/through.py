@@ -84,7 +84,8 @@ def _absorb_through(
         return fused, cut.meta.astype(found.dtype)
     if blocks is None:
         return None
-    return task.each_block(step, blocks, on_batch and type(found) is dict), None
+    how = "batch" if on_batch and type(found) is dict else "fold" if cut.axis in reduces else "each"
+    return task.each_block(step, blocks, how), None
 
 
 def _blocks_of(cut: CutBack) -> BatchBlocks | None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .layout import along
 
-__all__ = ["BatchBlocks", "PerBlock", "cut", "pieces"]
+__all__ = ["BatchBlocks", "PerBlock", "cut", "foldable", "folded", "pieces", "unfolded"]
 
 
 class BatchBlocks(NamedTuple):
@@ -71,6 +71,48 @@ def cut(value: Any, axis: int, extents: tuple[int, ...]) -> list[Any] | None:
     if getattr(value, "ndim", 0) <= axis or value.shape[axis] != sum(extents):
         return None
     return pieces(value, axis, extents, "")
+
+
+def foldable(value: Any, axis: int, extents: tuple[int, ...]) -> bool:
+    """Whether :func:`folded` of ``value`` reduces each block as it would be reduced alone:
+    blocks of one extent, each a C-contiguous piece of a C-contiguous batch (``axis`` is
+    its first axis of more than one element), so that the fold leaves each block's memory
+    as it was, and NumPy adds its elements in the same order (the fold is the outermost
+    axis). Elsewhere (``axis`` 1 of a 2-D batch: each block a strided piece of it) NumPy
+    may add them in another order, and the result would not be exactly Dask's."""
+    if len(extents) < 2 or len(set(extents)) != 1 or getattr(value, "ndim", 0) <= axis:
+        return False
+    shape = value.shape
+    return (
+        shape[axis] == sum(extents)
+        and all(d == 1 for d in shape[:axis])
+        and bool(value.flags.c_contiguous)
+    )
+
+
+def folded(value: Any, axis: int, extents: tuple[int, ...]) -> Any:
+    """``value`` (a batch of blocks of one extent along ``axis``) with its blocks folded
+    into a new last axis (a view where ``value`` is contiguous): a step that reduces any
+    of ``value``'s axes (``axis`` among them), with ``keepdims``, then reduces each block
+    on its own, in one call."""
+    n = len(extents)
+    shape = value.shape
+    stacked = value.reshape((*shape[:axis], n, extents[0], *shape[axis + 1 :]))
+    return np.moveaxis(stacked, axis, -1)  # (NumPy's, or CuPy's for CuPy arrays)
+
+
+def unfolded(value: Any, ndim: int, n: int) -> list[Any] | None:
+    """A step's result on :func:`folded` blocks (an array, or a dict of arrays, with the
+    ``n`` blocks along axis ``ndim``) as one result a block (views); ``None`` where it is
+    not so."""
+    if type(value) is dict:
+        columns = {k: unfolded(v, ndim, n) for k, v in value.items()}
+        if any(c is None for c in columns.values()):
+            return None
+        return [{k: c[i] for k, c in columns.items()} for i in range(n)]
+    if getattr(value, "ndim", 0) <= ndim or value.shape[ndim] != n:
+        return None
+    return [value[(slice(None),) * ndim + (i,)] for i in range(n)]
 
 
 class PerBlock:

@@ -26,9 +26,9 @@ from typing import Any
 from dask.base import tokenize
 from dask.utils import funcname
 
-from .blocks import PerBlock, cut, pieces
+from .blocks import PerBlock, cut, foldable, folded, pieces, unfolded
 
-__all__ = ["PREVIOUS", "Call", "EachBlock", "Program", "Template"]
+__all__ = ["EACH_BLOCK_MODES", "PREVIOUS", "Call", "EachBlock", "Program", "Template"]
 
 
 class _Previous:
@@ -94,24 +94,31 @@ class Template:
         return ("Template", self.name, tokenize(self.task), self.token, self.constants)
 
 
+#: How an :class:`EachBlock` step may run in fewer calls than one a block: ``"batch"``, a
+#: reduction over other axes than the batch's, once on the batch, its partial cut into the
+#: blocks' (a dict partial: it cannot be cut as a block); ``"fold"``, a reduction along
+#: the batch's axis, once on the blocks folded into a new last axis (``blocks.folded``),
+#: where that reduces each as it would be alone (``blocks.foldable``). Otherwise, and
+#: where the partial does not come out so, once a block (``"each"``).
+EACH_BLOCK_MODES = ("each", "batch", "fold")
+
+
 class EachBlock:
     """``step`` run on each block's piece of a batch's output, cut along ``axis`` into the
     blocks' ``extents`` (a partition's own: unbound, ``None``, until :meth:`at`); its value
-    is their results, one a block (:class:`~.blocks.PerBlock`). ``on_batch``: ``step`` is
-    a reduction over other axes than ``axis``, so it runs once on the batch, and its
-    partial (a dict: it cannot be cut as a block) is cut into the blocks' instead, where
-    it can be."""
+    is their results, one a block (:class:`~.blocks.PerBlock`). ``how``: one of
+    :data:`EACH_BLOCK_MODES`."""
 
-    __slots__ = ("axis", "extents", "on_batch", "step")
+    __slots__ = ("axis", "extents", "how", "step")
 
     def __init__(
         self,
         step: Call | Template,
         axis: int,
         extents: tuple[int, ...] | None = None,
-        on_batch: bool = False,
+        how: str = "each",
     ):
-        self.step, self.axis, self.extents, self.on_batch = step, axis, extents, on_batch
+        self.step, self.axis, self.extents, self.how = step, axis, extents, how
 
     @property
     def name(self) -> str:
@@ -123,23 +130,27 @@ class EachBlock:
 
     def at(self, extents: tuple[int, ...]) -> EachBlock:
         """The same step, for a batch of blocks of ``extents`` along its axis."""
-        return EachBlock(self.step, self.axis, extents, self.on_batch)
+        return EachBlock(self.step, self.axis, extents, self.how)
 
     def __call__(self, value: Any) -> PerBlock:
-        if self.extents is None:  # pragma: no cover - a partition task binds it (task.py)
+        extents, axis = self.extents, self.axis
+        if extents is None:  # pragma: no cover - a partition task binds it (task.py)
             raise RuntimeError(f"{self.label}: run on each block of a batch not said")
-        if self.on_batch:
-            results = cut(self.step(value), self.axis, self.extents)
-            if results is not None:
-                return PerBlock(results, self.axis)
-        parts = pieces(value, self.axis, self.extents, self.label)
-        return PerBlock([self.step(part) for part in parts], self.axis)
+        results = None
+        if self.how == "batch":
+            results = cut(self.step(value), axis, extents)
+        elif self.how == "fold" and foldable(value, axis, extents):
+            results = unfolded(self.step(folded(value, axis, extents)), value.ndim, len(extents))
+        if results is None:
+            parts = pieces(value, axis, extents, self.label)
+            results = [self.step(part) for part in parts]
+        return PerBlock(results, axis)
 
     def __reduce__(self) -> tuple:
-        return EachBlock, (self.step, self.axis, self.extents, self.on_batch)
+        return EachBlock, (self.step, self.axis, self.extents, self.how)
 
     def __dask_tokenize__(self) -> Any:
-        return ("EachBlock", self.step, self.axis, self.extents, self.on_batch)
+        return ("EachBlock", self.step, self.axis, self.extents, self.how)
 
 
 Step = Call | Template | EachBlock

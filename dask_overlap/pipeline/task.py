@@ -155,13 +155,12 @@ class PartitionTask:
             task.split_axis = task.out_split_axis = None
         return task
 
-    def each_block(self, step: Any, blocks: BatchBlocks, on_batch: bool = False) -> PartitionTask:
+    def each_block(self, step: Any, blocks: BatchBlocks, how: str = "each") -> PartitionTask:
         """A copy of this task (a batch of ``blocks``) whose ``func`` goes on with ``step``
-        run on each block's piece of the batch (:class:`~.program.EachBlock`; on the batch,
-        its partial then cut, with ``on_batch``): its result is then one a block, a tuple
-        (see :mod:`.blocks`), with no shape or dtype of its own to check, and it runs
-        whole partitions."""
-        task = self.absorbed(EachBlock(step, blocks.axis, None, on_batch), None, True)
+        run on each block's piece of the batch (:class:`~.program.EachBlock`, ``how`` one
+        of its modes): its result is then one a block, a tuple (see :mod:`.blocks`), with
+        no shape or dtype of its own to check, and it runs whole partitions."""
+        task = self.absorbed(EachBlock(step, blocks.axis, None, how), None, True)
         task.out_chunks, task.blocks = None, blocks
         return task
 
