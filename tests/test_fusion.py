@@ -788,6 +788,22 @@ def test_a_fused_pipeline_on_worker_processes():
     assert partitions == x.npartitions
 
 
+def test_results_one_a_block_on_worker_processes(auto_joins):
+    # Each batch's partials travel as one tuple, and each block's task takes its own, on
+    # whichever worker; the tree reduces them there.
+    a, x = small()
+    with (
+        LocalGPUCluster(allow_cpu=True, n_workers=2, threads_per_worker=1) as cluster,
+        Client(cluster) as client,
+    ):
+        z = dask_overlap.map_blocks(double, x, split_axis=0).mean(axis=0)
+        k = joined(z)
+        got = client.compute(z).result()
+        partitions = sum(s["partitions"] for s in client.run(dask_overlap.runtime_stats).values())
+    np.testing.assert_array_equal(got, on_the_batch(a, lambda y: y.mean(axis=0)).compute())
+    assert partitions == x.npartitions // k
+
+
 # -- on the GPU ----------------------------------------------------------------------------
 @pytest.fixture
 def cuda() -> Any:
@@ -863,3 +879,61 @@ def test_elementwise_steps_before_a_stage_on_the_gpu(cuda):
     np.testing.assert_allclose(got, (a * 2 + 1).astype("f4").sum(axis=1), rtol=1e-4)
     stats = wait_until_idle()
     assert stats["partitions"] == x.npartitions and stats["bytes_h2d"] == a.nbytes
+
+
+# On the GPU, batch="auto" over small blocks (the blocks below are 64 KiB: joined).
+def small_on_the_gpu(dtype: str = "f8") -> tuple[np.ndarray, da.Array]:
+    a = np.random.default_rng(7).standard_normal((4096, 128)).astype(dtype)
+    return a, da.from_array(a, chunks=(64, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["sum", "mean", "var", "max", "nanmean"])
+@pytest.mark.parametrize("axis", [None, 0, 1])
+def test_a_fused_reduction_over_auto_batches_on_the_gpu(cuda, how, axis):
+    a, x = small_on_the_gpu()
+    z = getattr(da, how)(dask_overlap.map_blocks(lambda b: b * b, x, split_axis=0), axis=axis)
+    k = joined(z)
+    assert [len(s) for s in steps(z)] == [2], dask_overlap.explain(z)
+    got = z.compute()
+    np.testing.assert_allclose(np.asarray(got), getattr(np, how)(a * a, axis=axis), rtol=1e-9)
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions // k
+    assert stats["bytes_d2h"] < a.nbytes // 8  # only the partials came back
+
+
+@pytest.mark.gpu
+def test_a_step_that_is_not_elementwise_after_an_auto_stage_on_the_gpu(cuda):
+    a, x = small_on_the_gpu("f4")
+    z = dask_overlap.map_blocks(lambda b: b * 2, x, split_axis=0).map_blocks(np.sort, axis=0)
+    k = joined(z)
+    assert [len(s) for s in steps(z)] == [2] and "sort on each block" in dask_overlap.explain(z)
+    want = np.concatenate([np.sort(a[i : i + 64] * 2, axis=0) for i in range(0, len(a), 64)])
+    np.testing.assert_array_equal(z.compute(), want)
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions // k and stats["bytes_d2h"] == a.nbytes
+
+
+@pytest.mark.gpu
+def test_a_fused_store_after_an_auto_stage_on_the_gpu(cuda):
+    a, x = small_on_the_gpu("f4")
+    y = dask_overlap.map_blocks(lambda b: b * 2 + 1, x, split_axis=0)
+    k = joined(y)
+    target = np.zeros(a.shape, "f4")
+    stored = da.store(y, target, lock=False, compute=False)
+    assert [len(s) for s in steps(stored)] == [2]
+    stored.compute()
+    np.testing.assert_allclose(target, a * 2 + 1, rtol=1e-6)
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions // k and stats["bytes_d2h"] == a.nbytes
+
+
+@pytest.mark.gpu
+def test_elementwise_steps_before_an_auto_stage_on_the_gpu(cuda):
+    a, x = small_on_the_gpu()
+    y = dask_overlap.map_blocks(np.abs, (x * 2 + 1).astype("f4"), split_axis=0)
+    k = joined(y)
+    assert steps(y) == [["mul", "add", "astype", "absolute"]]
+    np.testing.assert_allclose(y.compute(), np.abs((a * 2 + 1).astype("f4")), rtol=1e-6)
+    stats = wait_until_idle()
+    assert stats["partitions"] == x.npartitions // k and stats["bytes_h2d"] == a.nbytes
