@@ -637,6 +637,19 @@ def test_nothing_is_taken_through_results_one_a_block(auto_joins):
     np.testing.assert_array_equal(z.compute(), on_the_batch(a, build).compute())
 
 
+def test_a_step_run_on_each_block_that_raises_is_named(auto_joins):
+    a, x = small()
+    y = dask_overlap.map_blocks(double, x, split_axis=0)
+    z = y.map_blocks(np.sort, axis=0, kind="no", dtype=y.dtype)
+    k = joined(z)
+    (batched,) = [n for n in z.__dask_graph__().layers if n.startswith(f"double-batch{k}")]
+    with pytest.raises(ValueError, match="sort kind") as info:
+        z.compute(scheduler="sync")
+    notes = "\n".join(info.value.__notes__)
+    assert "fused step 2 of 2: sort" in notes
+    assert f"partition ('{batched}', 1, 0)" in notes  # its key, not the cut's
+
+
 @pytest.mark.parametrize("fn", [np.sort, np.cumsum], ids=["sort", "cumsum"])
 def test_a_step_that_is_not_elementwise_before_a_batched_stage_is_left_as_it_is(auto_joins, fn):
     a, x = one_d()

@@ -33,6 +33,7 @@ from dask.base import tokenize
 from dask.blockwise import Blockwise
 
 from ..pipeline.blocks import BatchBlocks
+from ..pipeline.program import Template
 from ..pipeline.task import PartitionTask, axis_extents
 from .batch import CutBack, Gathered
 from .rewrite import rerouted, retargeted, with_argument
@@ -114,6 +115,7 @@ def fuse_through(
     if taken is None:
         return False
     fused_task, meta = taken
+    fused_task.key_name = name  # (the partitions keep their keys: the cut takes the step's)
     fused = retargeted(layer, task, fused_task, name, own_annotations(layer))
     if fused_task.store is not None:  # its target: one more argument (see .steps.store_of)
         fused = with_argument(fused, store_target(layers[consumer])[1])
@@ -183,7 +185,7 @@ def _lined_up(cut: CutBack, gather: Gathered, grid: tuple[int, ...]) -> str | No
     return cut.batched
 
 
-def _elementwise_step(made: Any, layer: Blockwise) -> Any:
+def _elementwise_step(made: Any, layer: Blockwise) -> Template | None:
     """``made`` as a step that may run on a joined batch, before the partition of ``layer``:
     an elementwise Dask step of the partition's annotations; else ``None``."""
     source = elementwise_input(made)
