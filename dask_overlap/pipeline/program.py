@@ -118,6 +118,8 @@ class EachBlock:
         extents: tuple[int, ...] | None = None,
         how: str = "each",
     ):
+        if how not in EACH_BLOCK_MODES:
+            raise ValueError(f"how must be one of {EACH_BLOCK_MODES}, got {how!r}")
         self.step, self.axis, self.extents, self.how = step, axis, extents, how
 
     @property
