@@ -45,7 +45,9 @@ def test_joined_blocks_are_counted_as_staged_and_go_through_the_pinned_pool(back
     timed backend models one); on the host backend, whose device memory is host memory,
     pinned memory would serve nothing: they are joined in ordinary memory."""
     a = grid()
-    x = da.from_array(a, chunks=(10, 8)) + 0  # blocks of their own (not views of a)
+    # Blocks of their own (not views of a), made before: a "+ 0" in the graph would be
+    # fused into the partitions, which would then join views of a.
+    x = (da.from_array(a, chunks=(10, 8)) + 0).persist()
     seen: list[tuple[int, ...]] = []
 
     def f(b: Any) -> Any:

@@ -509,8 +509,8 @@ def test_batched_blocks_are_joined_once_and_copied_in_directly(
 
     a = np.random.default_rng(7).standard_normal((40 * 64, 40 * 8)).astype(np.float32)
     x = da.from_array(a, chunks=(64, a.shape[1]) if axis == 0 else (a.shape[0], 8))
-    if source == "pageable":  # blocks of their own
-        x = x + 0
+    if source == "pageable":  # blocks of their own (made first: fused, "+ 0" would read a's)
+        x = (x + 0).persist()
     if source == "views":  # slices of one array (from_array's blocks may be copies)
         x = views(a, 64)
     if source == "pinned":  # a pinned array's row blocks (from_array would copy them)

@@ -102,7 +102,8 @@ def test_an_error_keeps_its_type_and_names_the_partition_and_the_sub_chunk():
 
 def test_an_error_in_a_batch_names_the_blocks_it_holds():
     a = np.arange(16 * 100 * 8, dtype="f8").reshape(1600, 8)
-    x = da.from_array(a, chunks=(100, 8)) + 0  # blocks of their own
+    x = (da.from_array(a, chunks=(100, 8)) + 0).persist()  # blocks of their own (made first:
+    # a "+ 0" in the graph would be fused into the batches, and named by a note of its own)
 
     def f(b: Any) -> Any:
         if b.size > 8 and b[0, 0] <= a[500, 0] < b[-1, 0]:  # the batch holding block 5

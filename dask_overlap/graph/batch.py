@@ -30,6 +30,7 @@ __all__ = [
     "AUTO_MIN_PARTITIONS",
     "PEAK_MULTIPLE",
     "CutBack",
+    "Gathered",
     "auto_batch",
     "joined",
     "split_arrays",
@@ -148,24 +149,71 @@ def worker_budget() -> int | None:
     return int(min(per_thread) * _memory_headroom())
 
 
+class Gathered(MaterializedLayer):
+    """The layer of :func:`joined`'s gather tasks, which also says what it gathers: the
+    blocks of ``source`` (``None`` where they are other layers' blocks, seen through
+    aliases), ``k`` at a time along its ``axis``. (Plain data, as :class:`CutBack`.)"""
+
+    def __init__(self, mapping: dict, source: str | None, axis: int, k: int):
+        super().__init__(mapping)
+        self.source, self.axis, self.k = source, axis, k
+
+    def regathered(self, name: str, source: str) -> Gathered:
+        """The same gathers, named ``name``, of the blocks of ``source`` where they were of
+        ``self.source`` (an array of the same grid: the one an elementwise step read)."""
+        mapping = {}
+        for key, (fn, axis, *keys) in self.mapping.items():
+            blocks = ((source, *block[1:]) for block in keys)
+            mapping[(name, *key[1:])] = (fn, axis, *blocks)
+        return Gathered(mapping, source, self.axis, self.k)
+
+
 class CutBack(MaterializedLayer):
     """The layer of :func:`unbatched`'s slice tasks, which also says what it cuts: the
     layer ``batched`` (the partitions' outputs, of ``chunks`` and ``meta``), along ``axis``,
-    ``k`` blocks a batch. A next ``batch="auto"`` stage that joins the same ``k`` blocks
-    along that axis takes ``batched``'s blocks as they are (:func:`joined`): the slices,
-    and the join of them, are then never run. (Plain data: the graph holds the layer, and
-    the layer holds no graph.)"""
+    ``k`` blocks a batch, the blocks of extents ``blocks`` along it. A next
+    ``batch="auto"`` stage that joins the same ``k`` blocks along that axis takes
+    ``batched``'s blocks as they are (:func:`joined`): the slices, and the join of them,
+    are then never run. Where fusion gave the partitions a step run on each block
+    (:meth:`picking`), their results are one a block and each task takes its own
+    (``per_block``). (Plain data: the graph holds the layer, and the layer holds no
+    graph.)"""
 
-    def __init__(self, mapping: dict, batched: str, chunks: tuple, meta: Any, axis: int, k: int):
+    def __init__(
+        self,
+        mapping: dict,
+        batched: str,
+        chunks: tuple,
+        meta: Any,
+        axis: int,
+        k: int,
+        blocks: tuple[int, ...],
+        per_block: bool = False,
+    ):
         super().__init__(mapping)
         self.batched, self.chunks, self.meta = batched, chunks, meta
-        self.axis, self.k = axis, k
+        self.axis, self.k, self.blocks, self.per_block = axis, k, blocks, per_block
 
     def renamed(self, name: str, meta: Any) -> CutBack:
         """The same cut, its keys named ``name``, of a batched layer whose blocks are now
         like ``meta`` (the layer a step was taken into: the same name, the same grid)."""
         mapping = {(name, *key[1:]): task for key, task in self.mapping.items()}
-        return CutBack(mapping, self.batched, self.chunks, meta, self.axis, self.k)
+        return CutBack(
+            mapping, self.batched, self.chunks, meta, self.axis, self.k, self.blocks, self.per_block
+        )
+
+    def picking(self, name: str) -> CutBack:
+        """The cut of batches whose results are one a block (a tuple: a step was run on
+        each block of a batch), its keys named ``name``: block ``j``'s task takes the
+        ``j``-th of its batch's, where it sliced the batch."""
+        mapping = {}
+        for key in self.mapping:
+            j = key[1 + self.axis]
+            source = (self.batched, *key[1 : 1 + self.axis], j // self.k, *key[2 + self.axis :])
+            mapping[(name, *key[1:])] = (operator.getitem, source, j % self.k)
+        return CutBack(
+            mapping, self.batched, self.chunks, self.meta, self.axis, self.k, self.blocks, True
+        )
 
     def batches(self, graph: HighLevelGraph) -> da.Array:
         """The batched array, from ``graph`` (a graph that holds this layer holds it)."""
@@ -194,7 +242,7 @@ def unbatched(
         dsk[(name, *idx)] = (operator.getitem, source, along(axis, lo, lo + chunks[j]))
     out_chunks = list(y.chunks)
     out_chunks[axis] = tuple(chunks)
-    layer = CutBack(dsk, y.name, y.chunks, y._meta, axis, k)
+    layer = CutBack(dsk, y.name, y.chunks, y._meta, axis, k, tuple(chunks))
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[y])
     return da.Array(graph, name, tuple(out_chunks), meta=y._meta)
 
@@ -207,7 +255,7 @@ def joined(arrays: Sequence[Any], positions: tuple[int, ...], ndim: int, axis: i
     out = list(arrays)
     for i, x, ax in split_arrays(arrays, positions, ndim, axis):
         cut = x.dask.layers.get(x.name)
-        if isinstance(cut, CutBack) and (cut.axis, cut.k) == (ax, k):
+        if isinstance(cut, CutBack) and not cut.per_block and (cut.axis, cut.k) == (ax, k):
             out[i] = cut.batches(x.dask)  # an auto stage's blocks, batched as they were made
             continue
         # A concatenated or reordered x: gather the blocks its aliases stand for.
@@ -224,8 +272,9 @@ def joined(arrays: Sequence[Any], positions: tuple[int, ...], ndim: int, axis: i
         chunks = list(x.chunks)
         chunks[ax] = tuple(sum(x.chunks[ax][s : s + k]) for s in starts)
         deps = {layer_of(t) for t in subs.values()} if subs else {x.name}
+        layer = Gathered(dsk, None if subs else x.name, ax, k)
         graph = HighLevelGraph(
-            {**x.dask.layers, name: MaterializedLayer(dsk)},
+            {**x.dask.layers, name: layer},
             {**x.dask.dependencies, name: deps},
         ).cull_layers([name])
         out[i] = da.Array(graph, name, tuple(chunks), meta=x._meta)

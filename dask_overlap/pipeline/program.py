@@ -12,7 +12,10 @@ as they are, so an intermediate never leaves the device.
 A step is either a function called with the value and constants (:class:`Call`) or a
 Dask task template, which Dask itself evaluates with the value in place of the block it
 stood for (:class:`Template`). A step that raises keeps its error's type, with a note
-naming the step.
+naming the step. In a partition that joined several blocks (``batch="auto"``), a step that
+must see each block as Dask would have given it runs on each block's piece of the batch
+(:class:`EachBlock`, bound to the batch's blocks by :meth:`Program.at`), and the result is
+then one a block (see :mod:`.blocks`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any
 from dask.base import tokenize
 from dask.utils import funcname
 
-__all__ = ["PREVIOUS", "Call", "Program", "Template"]
+from .blocks import PerBlock, cut, foldable, folded, pieces, unfolded
+
+__all__ = ["EACH_BLOCK_MODES", "PREVIOUS", "Call", "EachBlock", "Program", "Template"]
 
 
 class _Previous:
@@ -89,7 +94,68 @@ class Template:
         return ("Template", self.name, tokenize(self.task), self.token, self.constants)
 
 
-Step = Call | Template
+#: How an :class:`EachBlock` step may run in fewer calls than one a block: ``"batch"``, a
+#: reduction over other axes than the batch's, once on the batch, its partial cut into the
+#: blocks' (a dict partial: it cannot be cut as a block); ``"fold"``, a reduction along
+#: the batch's axis, once on the blocks folded into a new last axis (``blocks.folded``),
+#: where that reduces each as it would be alone (``blocks.foldable``). Otherwise, and
+#: where the partial does not come out so, once a block (``"each"``).
+EACH_BLOCK_MODES = ("each", "batch", "fold")
+
+
+class EachBlock:
+    """``step`` run on each block's piece of a batch's output, cut along ``axis`` into the
+    blocks' ``extents`` (a partition's own: unbound, ``None``, until :meth:`at`); its value
+    is their results, one a block (:class:`~.blocks.PerBlock`). ``how``: one of
+    :data:`EACH_BLOCK_MODES`."""
+
+    __slots__ = ("axis", "extents", "how", "step")
+
+    def __init__(
+        self,
+        step: Call | Template,
+        axis: int,
+        extents: tuple[int, ...] | None = None,
+        how: str = "each",
+    ):
+        if how not in EACH_BLOCK_MODES:
+            raise ValueError(f"how must be one of {EACH_BLOCK_MODES}, got {how!r}")
+        self.step, self.axis, self.extents, self.how = step, axis, extents, how
+
+    @property
+    def name(self) -> str:
+        return self.step.name
+
+    @property
+    def label(self) -> str:
+        return self.step.label
+
+    def at(self, extents: tuple[int, ...]) -> EachBlock:
+        """The same step, for a batch of blocks of ``extents`` along its axis."""
+        return EachBlock(self.step, self.axis, extents, self.how)
+
+    def __call__(self, value: Any) -> PerBlock:
+        extents, axis = self.extents, self.axis
+        if extents is None:  # pragma: no cover - a partition task binds it (task.py)
+            raise RuntimeError(f"{self.label}: run on each block of a batch not said")
+        results = None
+        if self.how == "batch":
+            results = cut(self.step(value), axis, extents)
+        elif self.how == "fold" and foldable(value, axis, extents):
+            results = unfolded(self.step(folded(value, axis, extents)), value.ndim, len(extents))
+        if results is None:
+            parts = pieces(value, axis, extents, self.label)
+            results = [self.step(part) for part in parts]
+        return PerBlock(results, axis)
+
+    def __reduce__(self) -> tuple:
+        return EachBlock, (self.step, self.axis, self.extents, self.how)
+
+    def __dask_tokenize__(self) -> Any:
+        return ("EachBlock", self.step, self.axis, self.extents, self.how)
+
+
+Step = Call | Template | EachBlock
 
 
 class Program:
@@ -120,6 +186,19 @@ class Program:
         """Every step's function's name, in the order they run."""
         first = self.first.names if isinstance(self.first, Program) else [funcname(self.first)]
         return [s.label for _, s in self.before] + first + [s.label for s in self.then]
+
+    @property
+    def per_block(self) -> list[EachBlock]:
+        """The steps whose results are one a block of a batch (:class:`EachBlock`)."""
+        return [s for s in self.then if isinstance(s, EachBlock)]
+
+    def at(self, extents: tuple[int, ...]) -> Program:
+        """This program for a batch of blocks of ``extents`` along the axis its
+        :class:`EachBlock` steps cut (itself where it has none)."""
+        if not any(isinstance(s, EachBlock) for s in self.then):
+            return self
+        then = tuple(s.at(extents) if isinstance(s, EachBlock) else s for s in self.then)
+        return Program(self.first, self.before, then)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         n, i = len(self.names), 0

@@ -11,6 +11,11 @@ as Dask's own ``load_store_chunk`` writes it, with the user's lock.
 
 A NumPy target written in place is written without the lock: each partition writes only
 its own region, which is safe for a NumPy array without one.
+
+A partition that joined several blocks (``batch="auto"``) writes its batch's region, the
+regions of its blocks side by side, and then returns what the store step would have
+returned for each block, one a block (:meth:`Store.finish_each`); a target not filled in
+place is written block by block, as Dask writes it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any
 import numpy as np
 from dask.array.core import load_store_chunk
 from dask.array.optimization import fuse_slice
+
+from .layout import along
 
 __all__ = ["Store", "block_index", "known"]
 
@@ -87,10 +94,48 @@ class Store:
             return None
         return view
 
+    def indexes(
+        self, chunks: tuple[tuple | None, ...], block_id: tuple, axis: int, extents: tuple
+    ) -> list[tuple]:
+        """Where each block of a batch goes in the target (the region's offset added): the
+        batch ``block_id`` of an array of ``chunks``, its blocks of ``extents`` along
+        ``axis``."""
+        batch = block_index(chunks, block_id)
+        out, start = [], batch[axis].start
+        for e in extents:
+            index = list(batch)
+            index[axis] = slice(start, start + e)
+            out.append(fuse_slice(self.region, tuple(index)) if self.region else tuple(index))
+            start += e
+        return out
+
+    def finish_each(
+        self,
+        result: Any,
+        target: Any,
+        into: np.ndarray | None,
+        indexes: list[tuple],
+        axis: int,
+        extents: tuple[int, ...],
+    ) -> tuple:
+        """:meth:`finish` for each block of a batch (of ``extents`` along ``axis``, going
+        to ``indexes``): a tuple, one a block; written block by block, as Dask writes
+        them, unless the batch was written in place."""
+        written = into is not None and result is into
+        out, start = [], 0
+        for index, e in zip(indexes, extents, strict=True):
+            block = None if written else result[along(axis, start, start + e)]
+            out.append(self._stored(block, written, target, index))
+            start += e
+        return tuple(out)
+
     def finish(self, result: Any, target: Any, into: np.ndarray | None, index: tuple) -> Any:
         """What Dask's ``load_store_chunk`` returns, after writing ``result`` into
         ``target`` unless it was written in place (``result is into``)."""
         written = into is not None and result is into
+        return self._stored(result, written, target, index)
+
+    def _stored(self, result: Any, written: bool, target: Any, index: tuple) -> Any:
         return load_store_chunk(
             None if written else result,
             target,

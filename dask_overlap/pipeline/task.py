@@ -22,9 +22,10 @@ from dask.base import tokenize
 from dask.utils import funcname
 
 from ..backends import kernels_kept
+from .blocks import BatchBlocks
 from .current import get_runtime
 from .partition import PartitionSpec, run_partition
-from .program import Program
+from .program import EachBlock, Program
 from .store import Store
 
 __all__ = ["PartitionTask", "PartitionTaskWithInfo", "axis_extents", "block_shape"]
@@ -102,6 +103,8 @@ class PartitionTask:
         self.out_chunks: tuple[tuple | None, ...] | None = None  # per axis: see axis_extents
         self.out_dtype: np.dtype | None = None
         self.store: Store | None = None  # a fused store after the steps (see .store)
+        # A batch's blocks, where the partition's result is one a block (see .blocks).
+        self.blocks: BatchBlocks | None = None
 
     def declared(
         self, name: str, chunks: tuple[tuple[float, ...], ...], dtype: Any
@@ -122,13 +125,15 @@ class PartitionTask:
         whole: bool,
         dtype: Any = None,
         reduces: tuple[int, ...] = (),
+        shaped: bool = True,
     ) -> PartitionTask:
         """A copy of this task whose ``func`` goes on with ``step`` (see
         :mod:`.program`): the partition of another stage (``then``: its name, output and
         options are the copy's), or a Dask step, whose output has ``dtype`` (``None``: not
         known) and, for the first step of a reduction over the axes ``reduces``, one
-        element along each of them. ``whole``: the copy runs whole partitions (its steps
-        cannot be cut into sub-chunks)."""
+        element along each of them; ``shaped``: the blocks' shape after it is known so
+        (false: the step may change it, and it goes unchecked). ``whole``: the copy runs
+        whole partitions (its steps cannot be cut into sub-chunks)."""
         task = copy.copy(self)
         program = self.func if isinstance(self.func, Program) else Program(self.func)
         task.func = Program(program.first, program.before, (*program.then, step))
@@ -139,13 +144,32 @@ class PartitionTask:
             task.out_split_axis = then.out_split_axis
         else:
             task.out_dtype = None if dtype is None else np.dtype(dtype)
-            if reduces and task.out_chunks is not None:
+            if not shaped and task.out_chunks is not None:
+                task.out_chunks = (None,) * len(task.out_chunks)
+            elif reduces and task.out_chunks is not None:
                 task.out_chunks = tuple(
                     _one_each(axis) if i in reduces else axis
                     for i, axis in enumerate(task.out_chunks)
                 )
         if whole:
             task.split_axis = task.out_split_axis = None
+        return task
+
+    def each_block(self, step: Any, blocks: BatchBlocks, how: str = "each") -> PartitionTask:
+        """A copy of this task (a batch of ``blocks``) whose ``func`` goes on with ``step``
+        run on each block's piece of the batch (:class:`~.program.EachBlock`, ``how`` one
+        of its modes): its result is then one a block, a tuple (see :mod:`.blocks`), with
+        no shape or dtype of its own to check, and it runs whole partitions."""
+        task = self.absorbed(EachBlock(step, blocks.axis, None, how), None, True)
+        task.out_chunks, task.blocks = None, blocks
+        return task
+
+    def each_stored(self, store: Store, name: str, blocks: BatchBlocks) -> PartitionTask:
+        """A copy of this task (a batch of ``blocks``) that writes its batch as ``store``
+        says (see :meth:`stored`), then returns what Dask's store step returns for each
+        of its blocks, a tuple."""
+        task = self.stored(store, name)
+        task.blocks = blocks
         return task
 
     def preceded(self, position: int, step: Any, whole: bool = False) -> PartitionTask:
@@ -202,6 +226,7 @@ class PartitionTask:
             self.out_mode,
             self.batch,
             self.store is not None,
+            self.blocks,
         )
 
     def _run(self, args: tuple, block_id: tuple | None, block_info: dict | None, kwargs: dict):
@@ -215,6 +240,11 @@ class PartitionTask:
             *args, target = args
             index = store.index(self.out_chunks, block_id or ())
             into = store.into(target, index)
+        func, blocks, extents = self.func, self.blocks, None
+        if blocks is not None:  # a batch whose result is one a block: which blocks
+            extents = blocks.of((block_id or ())[blocks.axis])
+            if isinstance(func, Program):
+                func = func.at(extents)
         # In the fields' order, not by keyword: twelve keywords cost a dataclass's
         # __init__ more than the rest of the spec does, and this runs per partition.
         spec = PartitionSpec(
@@ -233,8 +263,13 @@ class PartitionTask:
             self.batch,
             into,
         )
-        result = run_partition(get_runtime(self.backend), self.func, args, kwargs, spec)
-        return result if store is None else store.finish(result, target, into, index)
+        result = run_partition(get_runtime(self.backend), func, args, kwargs, spec)
+        if store is None:
+            return result
+        if blocks is not None:
+            indexes = store.indexes(self.out_chunks, block_id, blocks.axis, extents)
+            return store.finish_each(result, target, into, indexes, blocks.axis, extents)
+        return store.finish(result, target, into, index)
 
     def __call__(self, *args: Any, block_id: tuple | None = None, **kwargs: Any) -> Any:
         return self._run(args, block_id, None, kwargs)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .blocks import PerBlock
 from .engine import Stage
 from .halo import HALO_KWARG
 from .inputs import HaloInput, as_input
@@ -185,6 +186,9 @@ class PartitionWork:
         if isinstance(raw, dict) and not self.lay.cut:
             self._partial_out(sub, raw, stream)
             return
+        if type(raw) is PerBlock and not self.lay.cut:
+            self._per_block_out(sub, raw, stream)
+            return
         result = self.backend.as_result(raw)
         if result is None:
             raise not_an_array(self.spec.func_name, raw, self.where)
@@ -229,6 +233,22 @@ class PartitionWork:
         }
         sub.device = (sub.device[0], partial)
         sub.d2h_bytes = 0 if keep else sum(getattr(v, "nbytes", 0) for v in out.values())
+        self.output.array = out
+
+    def _per_block_out(self, sub: SubChunk, results: PerBlock, stream: Any) -> None:
+        """A step's results on each block of a batch (see :mod:`.blocks`): they are the
+        output, a tuple, copied back (in one copy where their arrays can be joined; on
+        the device with ``out="device"``)."""
+        backend = self.backend
+        if self.spec.out == "device":
+            out = tuple(results.results)
+        else:
+            out = results.fetched(backend.is_device, lambda v: backend.fetch(stream, v))
+        sub.device = (sub.device[0], results)
+        nbytes = [
+            getattr(v, "nbytes", 0) for r in out for v in (r.values() if type(r) is dict else [r])
+        ]
+        sub.d2h_bytes = 0 if self.spec.out == "device" else sum(nbytes)
         self.output.array = out
 
     def device_done(self, i: int, start: float) -> None:

@@ -1,0 +1,262 @@
+"""Dask layers as the steps of a fused partition's program, and which may run where.
+
+The fusion pass (:mod:`.fusion`) asks this module what a layer next to a partition layer
+is: a partition layer (:func:`partition_task`), a following stage
+(:func:`stage_of_partition`), a Dask elementwise or reduction step
+(:func:`stage_of_template`), a store (:func:`store_of`); and what may be done with it:
+whether its function runs on device arrays as it does on NumPy's (:func:`device_safe`),
+whether it works element by element, so that it may run on any piece of its blocks, a
+sub-chunk or a batch of blocks (:func:`elementwise`), which axes it reduces
+(:func:`reduced_axes`), and what it makes of the partition's blocks (:func:`probe`).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import numpy as np
+from dask.array import chunk
+from dask.array.core import load_store_chunk
+from dask.blockwise import Blockwise
+from dask.layers import ArraySliceDep
+
+from ..pipeline.program import PREVIOUS, Call, Template
+from ..pipeline.store import Store, known
+from ..pipeline.task import PartitionTask
+from .rewrite import PARTITION_ANNOTATION, is_task_node
+
+__all__ = [
+    "ELEMENTWISE",
+    "argument_positions",
+    "device_safe",
+    "elementwise",
+    "elementwise_input",
+    "grid",
+    "own_annotations",
+    "partition_task",
+    "probe",
+    "reads",
+    "reads_blockwise",
+    "reduced_axes",
+    "result_dtype",
+    "stage_of_partition",
+    "stage_of_template",
+    "store_of",
+    "store_target",
+]
+
+#: Modules whose functions run on CuPy arrays as they are: Dask's own chunk functions
+#: (written for NumPy and CuPy alike) and NumPy's (which hand CuPy arrays to CuPy).
+_DEVICE_MODULES = ("_operator", "operator", "dask.array.chunk", "dask.array.reductions")
+
+
+def device_safe(fn: Any) -> bool:
+    """Whether ``fn`` (a Dask layer's function) runs on device arrays as it does on NumPy's."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if isinstance(fn, np.ufunc):
+        return True
+    module = getattr(fn, "__module__", None) or ""
+    return module in _DEVICE_MODULES or module == "numpy" or module.startswith("numpy.")
+
+
+#: Functions that work element by element (so they may run on any piece of a block, a
+#: sub-chunk or a batch of blocks) beside NumPy's ufuncs and the operators below: Dask's
+#: ``astype`` and the NumPy functions Dask's elementwise methods use. Any other function
+#: (``np.sort``, ``np.cumsum``, a reduction's step) runs on whole partitions' blocks.
+ELEMENTWISE = frozenset(
+    [
+        *(getattr(np, n) for n in ("clip", "round", "around", "nan_to_num", "real", "imag")),
+        *(getattr(np, n) for n in ("angle", "fix", "isreal", "iscomplex", "sinc", "where")),
+        np.i0,
+        *(getattr(operator, n) for n in ("add", "sub", "mul", "truediv", "floordiv", "mod")),
+        *(getattr(operator, n) for n in ("pow", "neg", "pos", "abs", "invert", "and_", "or_")),
+        *(getattr(operator, n) for n in ("xor", "lshift", "rshift", "lt", "le", "eq", "ne")),
+        *(getattr(operator, n) for n in ("ge", "gt")),
+        chunk.astype,
+    ]
+)
+
+
+def elementwise(task: Any) -> bool:
+    """Whether ``task`` (a Dask layer's task) works element by element, so that it may run
+    on pieces of its blocks (see :data:`ELEMENTWISE`)."""
+    fn = task.func
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return isinstance(fn, np.ufunc) or fn in ELEMENTWISE
+
+
+def partition_task(layer: Any) -> PartitionTask | None:
+    """The partition task of ``layer`` if it is a partition layer (made by ``map_blocks``
+    and rewritten by :func:`.rewrite.partition_layer`), else ``None``."""
+    if not isinstance(layer, Blockwise) or PARTITION_ANNOTATION not in (layer.annotations or {}):
+        return None
+    for value, index in layer.indices:
+        if index is None and isinstance(value, PartitionTask):
+            return value
+    return None
+
+
+def own_annotations(layer: Any) -> dict:
+    """``layer``'s annotations but the one that marks a partition layer (the user's)."""
+    return {k: v for k, v in (layer.annotations or {}).items() if k != PARTITION_ANNOTATION}
+
+
+def grid(layer: Blockwise) -> tuple[int, ...]:
+    """How many blocks ``layer`` makes along each axis."""
+    return tuple(layer.dims[i] for i in layer.output_indices)
+
+
+def reads(layer: Blockwise, name: str) -> int:
+    """How many times ``layer`` reads the array ``name`` (not its constants: a store's
+    target, taken in as a constant, is an array that ``==`` would compare element-wise)."""
+    return sum(1 for value, index in layer.indices if index is not None and value == name)
+
+
+def reads_blockwise(layer: Blockwise, name: str, grid: tuple[int, ...]) -> bool:
+    """Whether ``layer`` reads ``name`` (of blocks on ``grid``) once, block for block (the
+    same index, the same grid), and no other array."""
+    arrays = [(v, i) for v, i in layer.indices if i is not None and v not in layer.io_deps]
+    return (
+        len(arrays) == 1
+        and arrays[0] == (name, layer.output_indices)
+        and tuple(layer.numblocks.get(name, ())) == grid
+        and not layer.concatenate
+        and not layer.new_axes
+    )
+
+
+def stage_of_partition(layer: Blockwise, name: str, task: PartitionTask) -> Call | None:
+    """``layer`` (a partition layer reading ``name``) as a step of a program: its
+    ``func`` called with the value where it read ``name``; ``None`` where it cannot be."""
+    if task.func_block_id or task.func_block_info:
+        return None
+    kwargs = layer.task.kwargs
+    if any(is_task_node(v) for v in kwargs.values()):
+        return None  # a keyword Dask computes (a delayed object): left as it is
+    args = []
+    for value, index in layer.indices:
+        if value is task or (index is None and isinstance(value, tuple)):
+            continue  # the task itself, and the names of the keywords Dask passes it
+        if index is not None and value in layer.io_deps:
+            continue  # block_id's values
+        if index is None and is_task_node(value):
+            return None
+        args.append(PREVIOUS if value == name else value)
+    return Call(task.key_name, task.func, tuple(args), kwargs)
+
+
+def stage_of_template(layer: Blockwise, name: str) -> Template | None:
+    """``layer`` (a Dask elementwise or reduction step reading ``name``) as a step: its
+    task template, evaluated with the value for ``name``'s block."""
+    task = layer.task
+    if not device_safe(task.func):
+        return None
+    token, constants = None, {}
+    for i, (value, index) in enumerate(layer.indices):
+        key = f"__dask_blockwise__{i}"
+        if index is None:
+            constants[key] = value
+        else:
+            token = key
+    if token is None or task.dependencies - {token, *constants}:
+        return None
+    return Template(layer.output, task, token, constants)
+
+
+def argument_positions(layer: Blockwise, task: PartitionTask) -> dict[str, int]:
+    """The arrays ``layer`` (a partition layer) reads, by name, with the position of the
+    argument each is to the partition's ``func`` (as :func:`stage_of_partition` counts)."""
+    positions, n = {}, 0
+    for value, index in layer.indices:
+        if value is task or (index is None and isinstance(value, tuple)):
+            continue
+        if index is not None and value in layer.io_deps:
+            continue
+        if index is not None:
+            positions[value] = n
+        n += 1
+    return positions
+
+
+def elementwise_input(layer: Any) -> str | None:
+    """The one array ``layer`` reads where it is an elementwise Dask step that can run on
+    a partition's device blocks (block for block, the same grid, no axis), else ``None``."""
+    if not isinstance(layer, Blockwise) or partition_task(layer) is not None or layer.io_deps:
+        return None
+    if layer.concatenate or layer.new_axes or "axis" in layer.task.kwargs:
+        return None
+    arrays = [(v, i) for v, i in layer.indices if i is not None]
+    if len(arrays) != 1 or arrays[0][1] != layer.output_indices:
+        return None
+    if tuple(layer.numblocks.get(arrays[0][0], ())) != grid(layer):
+        return None
+    return arrays[0][0]
+
+
+def probe(step: Template, task: PartitionTask) -> Any:
+    """``step``'s output on one element of NumPy like the partition's blocks (as Dask infers
+    a meta), or ``None`` where that says nothing (no dtype known before it, an error)."""
+    if task.out_dtype is None or task.out_chunks is None:
+        return None
+    try:
+        with np.errstate(all="ignore"):
+            return step(np.ones((1,) * len(task.out_chunks), dtype=task.out_dtype))
+    except Exception:
+        return None
+
+
+def result_dtype(step: Template, task: PartitionTask) -> Any:
+    """The dtype of ``step``'s output on blocks of the partition's, or ``None`` where not
+    known (see :func:`probe`; a partial that is not an array has none)."""
+    return getattr(probe(step, task), "dtype", None)
+
+
+def reduced_axes(layer: Blockwise) -> tuple[int, ...]:
+    """The axes a Dask step reduces, ``()`` for none. A reduction's first step is called
+    with ``axis=`` and ``keepdims=True`` (Dask's ``reduction`` normalises ``axis`` into a
+    tuple); other steps that take ``axis=`` keep their blocks' dimensions as they are
+    (``np.cumsum``) or change them in ways a layer does not say (``np.diff``)."""
+    kwargs = layer.task.kwargs
+    axis = kwargs.get("axis")
+    if kwargs.get("keepdims") is not True:
+        return ()
+    if isinstance(axis, int):
+        return (axis,)
+    if isinstance(axis, (tuple, list)) and all(isinstance(a, int) for a in axis):
+        return tuple(axis)
+    return ()
+
+
+def store_target(layer: Blockwise) -> tuple[bool, Any]:
+    """Whether ``layer`` is the store step of ``da.store`` (Dask's ``load_store_chunk`` on
+    each block, the block's slice from an ``ArraySliceDep``), and the value it gives as
+    the target: a constant, or a reference to the key that holds it (Dask puts a large
+    array, or a ``Delayed`` target, in a key of its own)."""
+    t = layer.task
+    if t.func is not load_store_chunk or len(t.args) < 2:
+        return False, None
+    slices = [v for v, i in layer.indices if i is not None and v in layer.io_deps]
+    if len(slices) != 1 or not isinstance(layer.io_deps[slices[0]], ArraySliceDep):
+        return False, None
+    ref = getattr(t.args[1], "key", "")
+    if not isinstance(ref, str) or not ref.startswith("__dask_blockwise__"):
+        return False, None
+    value, index = layer.indices[int(ref.removeprefix("__dask_blockwise__"))]
+    return index is None, value
+
+
+def store_of(layer: Blockwise, task: PartitionTask) -> PartitionTask | None:
+    """The partition task that also does ``layer``'s work where ``layer`` is a store step
+    (see :func:`store_target`) whose options are given as they are; else ``None``."""
+    is_store, _ = store_target(layer)
+    kw = layer.task.kwargs
+    if not is_store or task.out_mode == "device" or not known(task.out_chunks):
+        return None
+    if any(is_task_node(v) for v in kw.values()):
+        return None
+    store = Store(kw["region"], kw["lock"], kw["return_stored"], kw["load_stored"])
+    return task.stored(store, layer.output)
