@@ -208,13 +208,17 @@ def test_demo_defaults_are_what_its_help_says() -> None:
     assert (setup.nbytes, setup.chunks) == (4 << 30, 16)  # "4GiB on a GPU", "size/16"
     cpu = _setup(_parser().parse_args([]), gpu=False)
     assert (cpu.nbytes, cpu.chunks, cpu.chunk_bytes) == (256 << 20, 16, 16 << 20)
+    assert cpu.repeat == 1 and _setup(_parser().parse_args(["--repeat", "3"]), False).repeat == 3
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--repeat", "0"])
 
 
 @pytest.mark.timeout(300)
 def test_demo_numbers_add_up(tmp_path: Path) -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path, as on CI
     done = subprocess.run(
-        [sys.executable, "-m", "dask_overlap", "demo", "--size", "32MiB"], cwd=tmp_path,
+        [sys.executable, "-m", "dask_overlap", "demo", "--size", "32MiB", "--repeat", "2"],
+        cwd=tmp_path,
         env=env, capture_output=True, text=True, timeout=280, check=False,
     )  # fmt: skip
     out = done.stdout
@@ -230,7 +234,11 @@ def test_demo_numbers_add_up(tmp_path: Path) -> None:
     # batch="auto" joins the 2 MiB chunks, and the partitions it says cover the input.
     assert 1 < 16 // partitions and partitions * size == 32 << 20, out
     # Counted over the timed run only: the input, once each way, not the warm-up too.
-    copied = "copied in the timed run (the warm-up before it left out): 32.00 MiB handed to func"
+    copied = "copied in the last timed run (the warm-up left out): 32.00 MiB handed to func"
     assert copied in out and "0 B copied into outputs" in out, out
     assert "not for speed" in out
     assert "result equals plain Dask: True" in out, out
+    # --repeat 2: the medians of two runs, their ratio, and the ratio of each run.
+    assert "until every chunk exists (median of 2 runs)" in out, out
+    ratio = re.search(r"dask_overlap / plain Dask \(NumPy\): ([0-9.]+)x \(run by run: (.*)\)", out)
+    assert ratio and float(ratio.group(1)) > 0 and len(ratio.group(2).split(", ")) == 2, out
