@@ -260,10 +260,11 @@ def _run_both(client: Client, x: da.Array, setup: _DemoSetup) -> _Run:
     (persisted) with what its runtimes counted in that run."""
     from distributed import wait
 
-    # Warm-up on two chunks each: kernel compilation and pools stay out of the times.
-    naive, overlapped = _arrays(x, setup, 0)
-    warm = 2 * setup.rows_per_chunk
-    wait([naive[:warm].persist(), overlapped[:warm].persist()])
+    # Warm-up, the whole array each, one after the other: kernel compilation, the pools
+    # and the workers' first touch of fresh memory (the first run of either path pays
+    # for page faults that later ones do not) stay out of the times.
+    for warm in _arrays(x, setup, 0):
+        wait(warm.persist())
     naive_runs, overlap_runs = [], []
     kept, counted = None, {}
     for run in range(1, setup.repeat + 1):
