@@ -344,8 +344,8 @@ def _print_report(
     )
     if not setup.gpu:
         print(
-            "(the CPU path is for trying dask_overlap and for CI without a GPU, not for speed: "
-            "on a CPU plain Dask is the faster way)"
+            "(on the CPU path dask_overlap makes no copy that only a GPU needs, to keep pace "
+            "with plain Dask; it cannot beat it: a CPU has nothing to overlap)"
         )
     print(_partitions_line(setup, run.counted))
     c = run.counted
