@@ -107,9 +107,8 @@ def caveats(backend: str, over_bound: float) -> list[str]:
     out = []
     if backend == "host":
         out.append(
-            "the host backend is the correctness path, slower than plain NumPy: its "
-            "'device' copies and kernels are host work on the same cores, so these figures "
-            "say nothing of a GPU"
+            "the host backend is the correctness path: its 'device' stages are host work "
+            "on the same cores, so these figures say nothing of a GPU"
         )
     if over_bound > 1:
         out.append(

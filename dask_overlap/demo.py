@@ -6,16 +6,20 @@ float32 array on the workers, runs the usual Dask + CuPy code
 (``cp.asnumpy(f(cp.asarray(block)))``) and then ``dask_overlap.map_blocks`` with
 ``split_axis=0`` and no other setting over it, checks every element against plain
 ``dask.array.map_blocks``, and prints both throughputs side by side, the backend used, the
-dashboard address, and what dask_overlap did in the timed run: how many partitions the
+dashboard address, and what dask_overlap did in the last timed run: how many partitions the
 chunks became (``batch="auto"`` joins small ones), the sub-chunks and the bytes copied.
-What it prints is counted by the workers' runtimes, over the timed run only (an untimed
-warm-up runs first). ``python -m dask_overlap demo --help`` lists the knobs.
+What it prints is counted by the workers' runtimes, over the last timed run only (an
+untimed warm-up runs first). ``--repeat N`` times each path N times, each run under keys of
+its own (so no run is served from a result Dask still holds), alternating which path goes
+first, and reports the medians and their ratio. ``python -m dask_overlap demo --help`` lists
+the knobs.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +70,7 @@ class _DemoSetup:
     threads: int | None  # None: LocalGPUCluster's default
     rounds: int
     keep_open: float
+    repeat: int = 1
 
     @property
     def nbytes(self) -> int:
@@ -118,6 +123,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rounds", type=int, default=2, help="kernel length (elementwise passes)")
     p.add_argument(
+        "--repeat",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="time each path N times (fresh keys each run) and report the medians (default 1)",
+    )
+    p.add_argument(
         "--keep-open",
         type=float,
         default=0.0,
@@ -125,6 +137,17 @@ def _parser() -> argparse.ArgumentParser:
         help="keep the cluster (and its dashboard) up this long after the run",
     )
     return p
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
 
 
 def _setup(args: argparse.Namespace, gpu: bool) -> _DemoSetup:
@@ -140,6 +163,7 @@ def _setup(args: argparse.Namespace, gpu: bool) -> _DemoSetup:
         threads=args.threads,
         rounds=args.rounds,
         keep_open=args.keep_open,
+        repeat=args.repeat,
     )
 
 
@@ -190,37 +214,81 @@ def _summed_stats(client: Client) -> dict[str, float]:
 
 @dataclasses.dataclass(frozen=True)
 class _Run:
-    """The two timed runs: their seconds, dask_overlap's result, and what its runtimes
-    counted over its timed run alone (the warm-up left out)."""
+    """The timed runs: each path's seconds (one a run), dask_overlap's last result, and
+    what its runtimes counted over its last timed run alone (the warm-up left out)."""
 
-    naive_seconds: float
+    naive_runs: tuple[float, ...]
     overlapped: da.Array
-    overlap_seconds: float
+    overlap_runs: tuple[float, ...]
     counted: dict[str, float]
 
+    @property
+    def naive_seconds(self) -> float:
+        return statistics.median(self.naive_runs)
 
-def _run_both(client: Client, x: da.Array, setup: _DemoSetup) -> _Run:
-    """The naive path's seconds, then dask_overlap's result (persisted), seconds and counts."""
+    @property
+    def overlap_seconds(self) -> float:
+        return statistics.median(self.overlap_runs)
+
+    @property
+    def ratio(self) -> float:
+        """dask_overlap's throughput over the naive path's, of the medians."""
+        return self.naive_seconds / self.overlap_seconds
+
+
+def _arrays(x: da.Array, setup: _DemoSetup, run: int) -> tuple[da.Array, da.Array]:
+    """The naive path's array and dask_overlap's, under keys of run ``run``'s own."""
     import dask.array as da
-    from distributed import wait
 
     import dask_overlap
 
     kw = setup.kernel_kw
-    naive = da.map_blocks(naive_scale_shift, x, **kw)
+    naive = da.map_blocks(naive_scale_shift, x, token=f"naive-run{run}", **kw)
     overlapped = dask_overlap.map_blocks(
-        scale_shift, x, split_axis=0, sub_chunk_bytes=setup.sub_chunk, **kw
+        scale_shift,
+        x,
+        split_axis=0,
+        sub_chunk_bytes=setup.sub_chunk,
+        token=f"overlap-run{run}",
+        **kw,
     )
-    # Warm-up on two chunks each: kernel compilation and pools stay out of the times.
-    warm = 2 * setup.rows_per_chunk
-    wait([naive[:warm].persist(), overlapped[:warm].persist()])
-    # The naive result is dropped at once, so its memory is free before the second run.
-    naive_seconds = _persist_timed(naive)[1]
+    return naive, overlapped
+
+
+def _run_both(client: Client, x: da.Array, setup: _DemoSetup) -> _Run:
+    """Each path ``setup.repeat`` times: its seconds, and dask_overlap's last result
+    (persisted) with what its runtimes counted in that run."""
+    from distributed import wait
+
+    # Warm-up, the whole array each, one after the other: kernel compilation, the pools
+    # and the workers' first touch of fresh memory (the first run of either path pays
+    # for page faults that later ones do not) stay out of the times.
+    for warm in _arrays(x, setup, 0):
+        wait(warm.persist())
+    naive_runs, overlap_runs = [], []
+    kept, counted = None, {}
+    for run in range(1, setup.repeat + 1):
+        naive, overlapped = _arrays(x, setup, run)
+        # The paths take turns at going first. Every result is dropped at once (so its
+        # memory is free for the next run) but dask_overlap's last, which is checked.
+        for path in ("naive", "overlap") if run % 2 else ("overlap", "naive"):
+            if path == "naive":
+                naive_runs.append(_persist_timed(naive)[1])
+                continue
+            result, seconds, counted = _counted_run(client, overlapped)
+            overlap_runs.append(seconds)
+            kept = result if run == setup.repeat else None
+            del result
+        del naive, overlapped
+    return _Run(tuple(naive_runs), kept, tuple(overlap_runs), counted)
+
+
+def _counted_run(client: Client, arr: da.Array) -> tuple[da.Array, float, dict[str, float]]:
+    """``arr`` persisted, its seconds, and what the workers' runtimes counted meanwhile."""
     before = _summed_stats(client)
-    overlapped, overlap_seconds = _persist_timed(overlapped)
+    arr, seconds = _persist_timed(arr)
     after = _summed_stats(client)
-    counted = {k: v - before.get(k, 0) for k, v in after.items()}
-    return _Run(naive_seconds, overlapped, overlap_seconds, counted)
+    return arr, seconds, {k: v - before.get(k, 0) for k, v in after.items()}
 
 
 def _equals_plain_dask(overlapped: da.Array, x: da.Array, setup: _DemoSetup) -> bool:
@@ -233,10 +301,10 @@ def _equals_plain_dask(overlapped: da.Array, x: da.Array, setup: _DemoSetup) -> 
 
 
 def _partitions_line(setup: _DemoSetup, counted: dict[str, float]) -> str:
-    """How dask_overlap ran the chunks in the timed run: as partitions of what size."""
+    """How dask_overlap ran the chunks in the last timed run: as partitions of what size."""
     partitions = int(counted.get("partitions", 0))
     if partitions < 1:
-        return "dask_overlap ran no partition in the timed run"
+        return "dask_overlap ran no partition in the last timed run"
     size = format_bytes(setup.nbytes // partitions)
     if partitions == setup.chunks:
         how = f"one partition a chunk ({partitions} of {size})"
@@ -257,21 +325,27 @@ def _partitions_line(setup: _DemoSetup, counted: dict[str, float]) -> str:
 def _print_report(
     stats: dict[str, dict[str, Any]], setup: _DemoSetup, run: _Run, equal: bool
 ) -> None:
-    """The backend, both throughputs, what the timed run did and the check's verdict."""
+    """The backend, both throughputs and their ratio, what the last timed run did and the
+    check's verdict."""
     backends = sorted({s["backend"] for s in stats.values()})
     print(f"backend: {', '.join(backends)}")
     naive_name = "Dask + CuPy, naive" if setup.gpu else "plain Dask (NumPy)"
     nbytes = setup.nbytes
+    runs = f"median of {setup.repeat} runs" if setup.repeat > 1 else "one run"
     print(
-        f"throughput, until every chunk exists: {naive_name} "
+        f"throughput, until every chunk exists ({runs}): {naive_name} "
         f"{nbytes / run.naive_seconds / 1e9:.2f} GB/s; dask_overlap "
-        f"{nbytes / run.overlap_seconds / 1e9:.2f} GB/s "
-        f"({run.naive_seconds / run.overlap_seconds:.1f}x)"
+        f"{nbytes / run.overlap_seconds / 1e9:.2f} GB/s"
+    )
+    each = ", ".join(f"{n / o:.2f}" for n, o in zip(run.naive_runs, run.overlap_runs, strict=True))
+    print(
+        f"dask_overlap / {naive_name}: {run.ratio:.2f}x"
+        + (f" (run by run: {each})" if setup.repeat > 1 else "")
     )
     if not setup.gpu:
         print(
-            "(the CPU path is for trying dask_overlap and for CI without a GPU, not for speed: "
-            "on a CPU plain Dask is the faster way)"
+            "(on the CPU path dask_overlap makes no copy that only a GPU needs, to keep pace "
+            "with plain Dask; it cannot beat it: a CPU has nothing to overlap)"
         )
     print(_partitions_line(setup, run.counted))
     c = run.counted
@@ -283,7 +357,7 @@ def _print_report(
         "path makes no copy that only a GPU needs: a partition's result is its output)"
     )
     print(
-        f"copied in the timed run (the warm-up before it left out): {copies}; backpressure "
+        f"copied in the last timed run (the warm-up left out): {copies}; backpressure "
         f"{c.get('backpressure_seconds', 0):.2f} s (pinned ring full {int(c.get('ring_full', 0))} "
         f"times), pinned fallbacks {int(c.get('pinned_fallbacks', 0))}"
     )

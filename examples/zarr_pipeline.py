@@ -15,12 +15,15 @@ the same reason makes ``split_axis=0`` valid (a partition may be cut between ima
 ``--compare`` also runs the same pipeline with plain Dask, the usual way: on the GPU
 ``x.map_blocks(cupy.asarray)``, the cupyx filter, ``.map_blocks(cupy.asnumpy)``; on the
 CPU, the SciPy filter. Both run on the same cluster, after an untimed warm-up of each
-(kernel compilation, pools); dask_overlap runs first, so a cold page cache would cost it,
-not the baseline, and dirty pages are flushed (``os.sync``) before each timed run. The two
-outputs are compared element by element. Beside them it times the same read and write with
-no filter at all: the ceiling the storage sets, which neither pipeline can pass (where
-both reach it, the disk, not the GPU, sets the pace: put the stores on faster storage,
-``/dev/shm`` for instance, to see the filter's cost).
+(kernel compilation, pools); dask_overlap runs first in the first run (so a cold page cache
+would cost it, not the baseline) and the two take turns after that, and dirty pages are
+flushed (``os.sync``) before each timed run. The two outputs are compared element by
+element. Beside them it times the same read and write with no filter at all: the ceiling
+the storage sets, which neither pipeline can pass (where both reach it, the disk, not the
+GPU, sets the pace: put the stores on faster storage, ``/dev/shm`` for instance, to see
+the filter's cost). ``--repeat N`` runs each pipeline N
+times, each run reading the input under keys of its own (so no run reuses what another
+computed), and reports the medians, with the ratio run by run.
 
 Run it from a clone (the workers are processes that import this file)::
 
@@ -44,6 +47,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -254,6 +258,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "shared among the workers)",
     )  # fmt: skip
     p.add_argument("--compare", action="store_true", help="also run it with plain Dask")
+    p.add_argument(
+        "--repeat", type=int, default=1, metavar="N",
+        help="run each pipeline N times, each under keys of its own, and report the medians "
+        "(default 1)",
+    )  # fmt: skip
     p.add_argument("--json", type=Path, metavar="PATH", help="write the figures here")
     args = p.parse_args(argv)
     if args.input is None and args.make is None:
@@ -272,7 +281,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.input is not None and args.output is not None:
         if args.output.resolve() == args.input.resolve():
             p.error(f"the output must not be the input, got {args.output} for both")
-    for name in ("workers", "threads"):
+    for name in ("workers", "threads", "repeat"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.sigma <= 0:
@@ -316,9 +325,7 @@ def compare(a_path: Path, b_path: Path, gpu: bool) -> tuple[bool, float]:
 
 
 def open_input(args: argparse.Namespace) -> tuple[Any, str]:
-    """The input as a Dask array in chunks of ``--chunk`` whole images (made if missing),
-    and its codecs."""
-    import dask.array as da
+    """The input store (made if missing) as a Zarr array, and its codecs."""
     import zarr
 
     if args.input.exists():
@@ -335,42 +342,71 @@ def open_input(args: argparse.Namespace) -> tuple[Any, str]:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    image_bytes = math.prod(z.shape[1:]) * z.dtype.itemsize
-    x = da.from_zarr(z, chunks=(images_per(args.chunk, image_bytes), *z.shape[1:]))
     codecs = ", ".join(type(k).__name__ for k in z.compressors) or "uncompressed"
-    print(
-        f"input: {x.shape} {x.dtype}, {format_bytes(x.nbytes)} in {x.numblocks[0]} chunks of "
-        f"{format_bytes(x.nbytes // x.shape[0] * x.chunks[0][0])} (on disk: "
-        f"{format_bytes(image_bytes * z.chunks[0])} chunks, {codecs})"
-    )
-    return x, codecs
+    return z, codecs
+
+
+def as_dask(z: Any, args: argparse.Namespace, run: int) -> Any:
+    """The input store as a Dask array in chunks of ``--chunk`` whole images, its keys
+    named for run ``run`` (so that no run reuses what another computed)."""
+    import dask.array as da
+    from dask.base import tokenize
+
+    image_bytes = math.prod(z.shape[1:]) * z.dtype.itemsize
+    chunks = (images_per(args.chunk, image_bytes), *z.shape[1:])
+    name = f"zarr-input-run{run}-{tokenize(str(args.input), chunks)}"
+    return da.from_zarr(z, chunks=chunks, name=name)
+
+
+def pipelines(x: Any, args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
+    """What each pipeline writes, by label (of ``x``, the input under keys of one run's
+    own, so each pipeline's keys are that run's too)."""
+    import dask_overlap
+
+    y = dask_overlap.map_blocks(smooth, x, sigma=args.sigma, dtype=x.dtype, split_axis=0)
+    arrays = {"dask_overlap": y}
+    if args.compare:
+        arrays["plain"] = plain_dask(x, args.sigma, gpu)
+        arrays["io_only"] = x
+    return arrays
 
 
 def run(client: Any, args: argparse.Namespace, gpu: bool, warm_chunks: int) -> dict[str, Any]:
-    """Both pipelines (or ours alone) on the cluster: their seconds, and the comparison."""
+    """Both pipelines (or ours alone) on the cluster, ``--repeat`` times: their seconds
+    (medians, and run by run), and the comparison of the last run's outputs."""
     import dask.array as da
 
     import dask_overlap
 
-    x, codecs = open_input(args)
+    z, codecs = open_input(args)
+    x = as_dask(z, args, 0)
     image_bytes = x.nbytes // x.shape[0]
+    print(
+        f"input: {x.shape} {x.dtype}, {format_bytes(x.nbytes)} in {x.numblocks[0]} chunks of "
+        f"{format_bytes(image_bytes * x.chunks[0][0])} (on disk: "
+        f"{format_bytes(image_bytes * z.chunks[0])} chunks, {codecs})"
+    )
     disk = images_per(args.store_chunk, image_bytes)
     print(f"output: {args.codec}, {store_chunk(x.chunks[0][0], disk)} images a chunk on disk")
-    y = dask_overlap.map_blocks(smooth, x, sigma=args.sigma, dtype=x.dtype, split_axis=0)
-    runs = {"dask_overlap": (y, args.output)}
+    outputs = {"dask_overlap": args.output}
     if args.compare:
         plain = args.output.with_name(f"{args.output.stem}-plain-dask{args.output.suffix}")
-        runs["plain"] = (plain_dask(x, args.sigma, gpu), plain)
         copy = args.output.with_name(f"{args.output.stem}-io-only{args.output.suffix}")
-        runs["io_only"] = (x, copy)
+        outputs.update(plain=plain, io_only=copy)
     # Untimed warm-up, a chunk per task thread: kernels compiled, pools allocated.
     warm = min(x.numblocks[0], warm_chunks) * x.chunks[0][0]
-    da.compute(*(arr[:warm].sum(dtype="f8") for arr, _ in runs.values()))
-    seconds = {}
-    for label, (arr, out) in runs.items():
-        print(f"{label}: {args.input} -> {out}")
-        seconds[label] = run_pipeline(client, arr, out, args.codec, disk)
-        print(f"{label}: written in {seconds[label]:.2f} s")
+    da.compute(*(arr[:warm].sum(dtype="f8") for arr in pipelines(x, args, gpu).values()))
+    runs: dict[str, list[float]] = {label: [] for label in outputs}
+    for i in range(1, args.repeat + 1):
+        arrays = pipelines(as_dask(z, args, i), args, gpu)
+        # The two pipelines take turns at going first (the ceiling's run goes last).
+        order = list(outputs) if i % 2 else ["plain", "dask_overlap", "io_only"][: len(outputs)]
+        for label in order:
+            out = outputs[label]
+            print(f"{label}: {args.input} -> {out}" + (f" (run {i})" if args.repeat > 1 else ""))
+            runs[label].append(run_pipeline(client, arrays[label], out, args.codec, disk))
+            print(f"{label}: written in {runs[label][-1]:.2f} s")
+    seconds = {label: statistics.median(r) for label, r in runs.items()}
     stats = client.run(dask_overlap.runtime_stats)
     result = {
         "device": next(iter(client.run(device_name, gpu).values())),
@@ -382,18 +418,22 @@ def run(client: Any, args: argparse.Namespace, gpu: bool, warm_chunks: int) -> d
         "input_codecs": codecs,
         "output_codec": args.codec,
         "sigma": args.sigma,
+        "repeat": args.repeat,
+        "runs": runs,
         "seconds": seconds,
         "gbps": {k: x.nbytes / s / 1e9 for k, s in seconds.items()},
     }
     if args.compare:
-        result["equal"], result["max_abs_diff"] = compare(args.output, runs["plain"][1], gpu)
-        shutil.rmtree(runs["io_only"][1], ignore_errors=True)  # a copy of the input
+        result["equal"], result["max_abs_diff"] = compare(args.output, outputs["plain"], gpu)
+        shutil.rmtree(outputs["io_only"], ignore_errors=True)  # a copy of the input
     return result
 
 
 def report(result: dict[str, Any], gpu: bool) -> None:
     """Print the figures (and the ratio, when both pipelines ran)."""
     gbps, seconds = result["gbps"], result["seconds"]
+    if result["repeat"] > 1:
+        print(f"(each figure the median of {result['repeat']} runs)")
     print(
         f"backend {', '.join(result['backend'])}, {result['workers']} worker(s) x "
         f"{result['threads_per_worker']} threads, device: {result['device']}"
@@ -409,6 +449,10 @@ def report(result: dict[str, Any], gpu: bool) -> None:
             f"throughput (read -> filter -> write): {result['plain']} {gbps['plain']:.2f} GB/s "
             f"({seconds['plain']:.2f} s); dask_overlap / plain: {result['ratio']:.2f}x"
         )
+        if result["repeat"] > 1:
+            runs = result["runs"]
+            each = (p / o for p, o in zip(runs["plain"], runs["dask_overlap"], strict=True))
+            print(f"dask_overlap / plain, run by run: {', '.join(f'{r:.2f}' for r in each)}")
         print(f"outputs equal: {result['equal']} (largest difference {result['max_abs_diff']:.3g})")
     if "io_only" in gbps:
         io = gbps["io_only"]

@@ -3,9 +3,11 @@ marked ``gpu`` are skipped where no CUDA GPU is visible (``pytest -m gpu`` on th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 from collections.abc import Iterator
+from typing import Any
 
 import dask
 import pytest
@@ -42,6 +44,28 @@ def ring_only() -> Iterator[None]:
     tests of the ring that use tiny arrays, which would otherwise skip it."""
     with dask.config.set({"overlap.direct-bytes": 0}):
         yield
+
+
+@pytest.fixture
+def as_on_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``batch="auto"`` and ``sub-chunk-bytes: auto`` as they are where a device runs the
+    partitions, on the host backend: small blocks joined, partitions cut. For tests of the
+    joining and the cutting, which run on the host backend here, where neither is done.
+
+    The graph is built in this process (its placement is a device's, whatever runs the
+    partitions); the cut applies to partitions that run in this process too (the threaded
+    scheduler): a cluster of worker processes cuts as the host backend does.
+    """
+    import dask_overlap.graph.map_blocks as map_blocks_module
+    import dask_overlap.pipeline.partition as partition_module
+
+    placement = map_blocks_module.placement
+
+    def on_a_device(backend: str) -> Any:
+        return dataclasses.replace(placement(backend), backends=frozenset({"cuda"}))
+
+    monkeypatch.setattr(map_blocks_module, "placement", on_a_device)
+    monkeypatch.setattr(partition_module, "AUTO_CUTS_HOST_MEMORY", True)
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,8 @@
 """``batch="auto"`` (the default): small blocks joined into partitions of about 64 MiB where
-that is sound, and each partition's output cut back into its blocks."""
+that is sound, and each partition's output cut back into its blocks.
+
+As where a device runs the partitions (``as_on_a_device``): on the host backend alone,
+``auto`` joins nothing (tests/test_cpu_path.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from support import (
 
 import dask_overlap
 import dask_overlap.graph.batch
+
+pytestmark = pytest.mark.usefixtures("as_on_a_device")
 
 
 def grid(rows: int = 120, cols: int = 8) -> np.ndarray:

@@ -1,5 +1,7 @@
 """``benchmarks/diagnostics/chained_stages.py`` runs on the CPU path: both chains right,
-and the auto chain runs one cut (the second stage's), not two. No figure is asserted on."""
+and the auto chain runs one cut (the second stage's), not two, as it does where a device
+runs the partitions (``as_on_a_device``: on the host backend alone ``auto`` joins
+nothing, so nothing is cut back). No figure is asserted on."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmark
 import chained_stages  # noqa: E402
 
 
-def test_chained_stages_on_the_cpu(tmp_path):
+def test_chained_stages_on_the_cpu(tmp_path, as_on_a_device):
     path = tmp_path / "chain.json"
     out = chained_stages.main(
         ["--size", "8MiB", "--block", "64KiB", "--threads", "2", "--repeat", "1",

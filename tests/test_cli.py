@@ -18,7 +18,6 @@ import dask.array as da
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from dask.utils import parse_bytes
 from distributed import Client, LocalCluster
 from support import poll, without_shutdown_noise
 
@@ -208,13 +207,17 @@ def test_demo_defaults_are_what_its_help_says() -> None:
     assert (setup.nbytes, setup.chunks) == (4 << 30, 16)  # "4GiB on a GPU", "size/16"
     cpu = _setup(_parser().parse_args([]), gpu=False)
     assert (cpu.nbytes, cpu.chunks, cpu.chunk_bytes) == (256 << 20, 16, 16 << 20)
+    assert cpu.repeat == 1 and _setup(_parser().parse_args(["--repeat", "3"]), False).repeat == 3
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--repeat", "0"])
 
 
 @pytest.mark.timeout(300)
 def test_demo_numbers_add_up(tmp_path: Path) -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path, as on CI
     done = subprocess.run(
-        [sys.executable, "-m", "dask_overlap", "demo", "--size", "32MiB"], cwd=tmp_path,
+        [sys.executable, "-m", "dask_overlap", "demo", "--size", "32MiB", "--repeat", "2"],
+        cwd=tmp_path,
         env=env, capture_output=True, text=True, timeout=280, check=False,
     )  # fmt: skip
     out = done.stdout
@@ -224,13 +227,15 @@ def test_demo_numbers_add_up(tmp_path: Path) -> None:
     assert "32.00 MiB float32 in 16 chunks of 2.00 MiB, on the CPU path" in out, out
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert f"cluster: 2 worker(s) x {threads} thread(s)" in out, out
-    ran = re.search(r"ran the 16 chunks as (\d+) partitions of about ([0-9.]+ [KMG]iB)", out)
-    assert ran, out
-    partitions, size = int(ran.group(1)), parse_bytes(ran.group(2))
-    # batch="auto" joins the 2 MiB chunks, and the partitions it says cover the input.
-    assert 1 < 16 // partitions and partitions * size == 32 << 20, out
+    # On the CPU path batch="auto" joins no chunks, and sub-chunk-bytes: auto cuts none.
+    ran = "ran the 16 chunks as one partition a chunk (16 of 2.00 MiB), in 16 sub-chunks"
+    assert ran in out, out
     # Counted over the timed run only: the input, once each way, not the warm-up too.
-    copied = "copied in the timed run (the warm-up before it left out): 32.00 MiB handed to func"
+    copied = "copied in the last timed run (the warm-up left out): 32.00 MiB handed to func"
     assert copied in out and "0 B copied into outputs" in out, out
-    assert "not for speed" in out
+    assert "makes no copy that only a GPU needs" in out, out
     assert "result equals plain Dask: True" in out, out
+    # --repeat 2: the medians of two runs, their ratio, and the ratio of each run.
+    assert "until every chunk exists (median of 2 runs)" in out, out
+    ratio = re.search(r"dask_overlap / plain Dask \(NumPy\): ([0-9.]+)x \(run by run: (.*)\)", out)
+    assert ratio and float(ratio.group(1)) > 0 and len(ratio.group(2).split(", ")) == 2, out

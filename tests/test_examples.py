@@ -53,7 +53,7 @@ def test_zarr_pipeline_on_the_cpu(tmp_path):
     done = run_example(
         tmp_path, "in.zarr", "out.zarr", "--make", "4MiB", "--image", "64x128",
         "--chunk", "256KiB", "--store-chunk", "64KiB", "--sigma", "1.5",
-        "--compare", "--json", "result.json",
+        "--compare", "--repeat", "2", "--json", "result.json",
     )  # fmt: skip
     assert THROUGHPUT.search(done.stdout), done.stdout
     assert "100% Completed" in done.stdout  # distributed's text progress bar
@@ -80,6 +80,10 @@ def test_zarr_pipeline_on_the_cpu(tmp_path):
         result["gbps"]["dask_overlap"] / result["gbps"]["plain"]
     )
     assert result["device"]
+    # --repeat 2: each pipeline twice, the figures the medians of the two.
+    assert result["repeat"] == 2
+    assert {k: len(v) for k, v in result["runs"].items()} == dict.fromkeys(result["gbps"], 2)
+    assert "dask_overlap / plain, run by run: " in done.stdout, done.stdout
 
     # The same store again, read in chunks that cut across its on-disk chunks (3 images
     # against 2), uncompressed out: the output's chunks divide the Dask chunks.

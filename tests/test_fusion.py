@@ -392,15 +392,15 @@ def test_a_target_in_a_key_of_its_own_is_handed_to_the_partition(recording, how)
 
 
 # -- batch="auto" over small blocks: fusion through its batches ------------------------------
-# These tests need batch="auto" to join small blocks into batches, as it does for a GPU (and,
-# today, on the host backend too): each asserts that it did (``joined``), since a test of
-# fusion through a cut-back that is not there would test nothing. Where auto keeps one
-# partition a block on the host backend, the ``auto_joins`` fixture is the place to force
-# device-like batching. What they assert besides holds either way: the steps that
-# explain() names, and results equal to Dask's.
+# These tests need batch="auto" to join small blocks into batches, as it does for a GPU: each
+# asserts that it did (``joined``), since a test of fusion through a cut-back that is not
+# there would test nothing. On the host backend auto keeps one partition a block, so the
+# ``auto_joins`` fixture asks for device-like batching (conftest's ``as_on_a_device``).
+# What they assert besides holds either way: the steps that explain() names, and results
+# equal to Dask's.
 @pytest.fixture
-def auto_joins() -> Iterator[None]:
-    """batch="auto" joins small blocks (see the comment above): nothing to set today."""
+def auto_joins(as_on_a_device: None) -> Iterator[None]:
+    """batch="auto" joins small blocks, as for a GPU (see the comment above)."""
     yield
 
 

@@ -340,9 +340,10 @@ def test_auto_sub_chunks_cut_only_as_far_as_the_running_partitions_need(
     assert auto_sub_chunk_bytes(partition, running) == expected
 
 
-def test_auto_sub_chunks_follow_the_partitions_running(monkeypatch):
+def test_auto_sub_chunks_follow_the_partitions_running(monkeypatch, as_on_a_device):
     """With ``sub-chunk-bytes: auto`` a partition that runs alone is cut in four; one that
-    starts beside three others is not cut."""
+    starts beside three others is not cut (where a device runs them: on the host backend
+    alone, none is cut, tests/test_cpu_path.py)."""
     from dask_overlap.pipeline import layout
 
     monkeypatch.setattr(layout, "AUTO_MIN_BYTES", 1024)

@@ -24,6 +24,7 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from ..pipeline.layout import AUTO_MIN_BYTES, along, own_axis
 from ..pipeline.pieces import gather
 from .checks import as_list
+from .placement import distributed_workers
 from .rewrite import alias_targets, layer_of
 
 __all__ = [
@@ -122,27 +123,24 @@ def _memory_headroom() -> float:
     return max(0.05, float(terminate) - float(pause))
 
 
-def worker_budget() -> int | None:
+def worker_budget(workers: dict[str, dict[str, Any]] | None = None) -> int | None:
     """Host bytes one partition may peak at on the smallest worker of the distributed
     client this graph will run on: the worker's memory limit over its threads (each runs
-    a partition at once), times :func:`_memory_headroom`. ``None`` where there is no such
-    bound to respect: no default distributed client (the threaded scheduler, a client not
-    set as default), an asynchronous client (whose cached identity lists no workers),
-    no workers yet, or no memory limit.
+    a partition at once), times :func:`_memory_headroom`. ``workers``: their
+    ``scheduler_info()`` entries, as :func:`.placement.distributed_workers` gives them
+    (asked here when not given). ``None`` where there is no such bound to respect: no
+    default distributed client (the threaded scheduler, a client not set as default), an
+    asynchronous client (whose cached identity lists no workers), no workers yet, or no
+    memory limit.
     """
-    if dask.config.get("scheduler", None) not in ("dask.distributed", "distributed"):
+    if workers is None:
+        workers = distributed_workers()
+    if not workers:
         return None
-    from distributed import default_client  # imported already: a client exists
-
-    try:
-        client = default_client()
-    except ValueError:
-        return None
-    if client.asynchronous or client.status != "running":
-        return None
-    workers = (client.scheduler_info().get("workers") or {}).values()
     per_thread = [
-        w["memory_limit"] / max(1, w.get("nthreads") or 1) for w in workers if w.get("memory_limit")
+        w["memory_limit"] / max(1, w.get("nthreads") or 1)
+        for w in workers.values()
+        if w.get("memory_limit")
     ]
     if not per_thread:
         return None

@@ -43,6 +43,7 @@ from .checks import (
 )
 from .fusion import install as install_fusion
 from .infer import infer_dtype, refuse_meta
+from .placement import placement
 from .rewrite import partition_layer
 
 __all__ = ["map_blocks"]
@@ -153,14 +154,19 @@ def _auto_batch(
     split_axis: int | None,
     chunks: Any,
     drop_axis: Any,
+    backend: str,
 ) -> int:
     """``batch="auto"`` for this call: :func:`.batch.auto_batch`, kept within what the
-    workers' memory allows (:func:`.batch.worker_budget`, asked only where blocks would be
-    joined)."""
+    workers' memory allows (:func:`.batch.worker_budget`), and 1 where every partition
+    will run on the host backend (:mod:`.placement`: joining blocks only pays for a
+    device). Where the partitions will run is asked only where blocks would be joined."""
     asks = has_keyword(func, "block_id") or has_keyword(func, "block_info")
     batch = auto_batch(asks, arrays, positions, ndim, split_axis, chunks, drop_axis)
     if batch > 1:
-        budget = worker_budget()
+        where = placement(backend)
+        if where.on_host:
+            return 1
+        budget = worker_budget(where.workers) if where.workers is not None else None
         if budget is not None:
             batch = auto_batch(asks, arrays, positions, ndim, split_axis, chunks, drop_axis, budget)
     return batch
@@ -230,7 +236,8 @@ def map_blocks(
     sub_chunk_bytes
         Target sub-chunk size, an int or a string such as ``"32MiB"``, or ``"auto"``
         (default ``overlap.sub-chunk-bytes``, ``auto``: cut a partition only as far as
-        the partitions running beside it leave the device short of work).
+        the partitions running beside it leave the device short of work; on the host
+        backend, which has no device, not at all). A size given cuts on every backend.
     in_flight
         How many sub-chunks of a partition may be in flight at once (the bounded queue;
         default ``overlap.in-flight``). When it is full the submitter waits.
@@ -256,8 +263,11 @@ def map_blocks(
         neither ``chunks`` nor ``drop_axis``, a ``func`` that takes neither ``block_id``
         nor ``block_info``, block sizes known) and cuts each partition's output back
         into its blocks (views), so the output's chunks are the blocks' as with
-        ``batch=1``; elsewhere it is 1. A next auto stage that joins the same blocks
-        takes those partitions' outputs as they are (the cut is then never run).
+        ``batch=1``; elsewhere it is 1, and so it is where every partition will run on
+        the host backend (no device: a join would only copy; see
+        :mod:`dask_overlap.graph.placement` for how the client tells). A next auto stage
+        that joins the same blocks takes those partitions' outputs as they are (the cut
+        is then never run).
         ``split_axis`` already lets ``func`` see any slice along the axis: sub-chunks
         cut a partition, batches join several.
 
@@ -302,7 +312,9 @@ def map_blocks(
     split_back = None  # batch="auto": the output's chunks along the split axis, kept
     token = token or funcname(func)
     if batch == "auto":
-        batch = _auto_batch(func, arrays, positions, ndim, split_axis, chunks, drop_axis)
+        batch = _auto_batch(
+            func, arrays, positions, ndim, split_axis, chunks, drop_axis, opts.backend
+        )
         if batch > 1:  # the blocks' extents along the axis, from an array joined
             _, x, ax = split_arrays(arrays, positions, ndim, split_axis)[0]
             split_back = x.chunks[ax]

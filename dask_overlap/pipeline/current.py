@@ -19,7 +19,7 @@ from ..backends import resolve_backend
 from ..config import Options
 from .runtime import Runtime, idle_stats, process_runtime, process_runtimes
 
-__all__ = ["get_runtime", "runtime_stats", "serve_worker_runtimes"]
+__all__ = ["get_runtime", "runtime_backend", "runtime_stats", "serve_worker_runtimes"]
 
 #: The plugin's lookup of the current worker's runtime for a backend (``None`` where it has
 #: none to offer), once a plugin has set a worker up in this process.
@@ -54,6 +54,21 @@ def get_runtime(backend: str | None = None) -> Runtime:
     if rt is not None:
         return rt
     return process_runtime(backend if backend is not None else Options.from_config().backend)
+
+
+def runtime_backend(backend: str | None = None) -> str:
+    """The backend that :func:`get_runtime` would serve ``backend`` with in this process
+    (the plugin's, or ``backend`` resolved), without building a runtime.
+
+    Examples
+    --------
+    >>> runtime_backend("host")
+    'host'
+    """
+    rt = _plugin_runtime(backend)
+    if rt is not None:
+        return rt.name
+    return resolve_backend(backend if backend is not None else Options.from_config().backend)
 
 
 def runtime_stats(backend: str | None = None) -> dict[str, Any]:

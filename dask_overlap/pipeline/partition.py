@@ -18,6 +18,7 @@ partition, its blocks, the sub-chunk and the stage.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,12 @@ __all__ = ["OUT_MODES", "PartitionSpec", "run_partition"]
 
 #: What ``out=`` may be: where a partition's result lives.
 OUT_MODES = ("host", "pinned", "device")
+#: Whether ``sub-chunk-bytes: auto`` cuts partitions on a backend whose device memory is
+#: host memory (the host backend) as it would on a device. It does not (see ``_lay_out``);
+#: tests of the cutting that run on the host backend set it (``as_on_a_device``).
+AUTO_CUTS_HOST_MEMORY = False
+#: A sub-chunk size that cuts no partition (``sub-chunk-bytes: auto`` on the host backend).
+_UNCUT = sys.maxsize
 #: How long a submitter that holds nothing waits for ring room before it looks again.
 _RING_POLL_SECONDS = 1.0
 #: What a failed stage was doing, as the note on its error says it.
@@ -259,7 +266,14 @@ def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
     if spec.split_axis is None:
         return whole(args, spec.array_positions)  # not cut: the size does not matter
     sub_chunk_bytes = spec.sub_chunk_bytes
-    if sub_chunk_bytes == "auto":
+    if sub_chunk_bytes == "auto" and rt.backend.host_memory and not AUTO_CUTS_HOST_MEMORY:
+        # No device (the host backend): every stage of a sub-chunk is work on this
+        # machine's cores, so a cut overlaps nothing, costs a copy of each sub-chunk's
+        # result into the partition's output (an uncut partition's result is its output)
+        # and runs the sub-chunks on the runtime's threads, beside the task threads that
+        # the worker's other partitions have. One sub-chunk, laid out as a cut would be.
+        sub_chunk_bytes = _UNCUT
+    elif sub_chunk_bytes == "auto":
         size = sum(getattr(args[p], "nbytes", 0) for p in spec.array_positions)
         # This partition and those already running share the device.
         sub_chunk_bytes = auto_sub_chunk_bytes(size, rt.counters.partitions_active + 1)
