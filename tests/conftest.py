@@ -48,15 +48,17 @@ def ring_only() -> Iterator[None]:
 
 @pytest.fixture
 def as_on_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``batch="auto"`` and ``sub-chunk-bytes: auto`` as they are where a device runs the
-    partitions, on the host backend: small blocks joined, partitions cut. For tests of the
-    joining and the cutting, which run on the host backend here, where neither is done.
+    """``batch="auto"``, ``sub-chunk-bytes: auto`` and the fusion of a store as they are
+    where a device runs the partitions, on the host backend: small blocks joined,
+    partitions cut, stores taken in. For tests of the joining, the cutting and the fused
+    stores, which run on the host backend here, where none is done.
 
     The graph is built in this process (its placement is a device's, whatever runs the
     partitions); the cut applies to partitions that run in this process too (the threaded
     scheduler): a cluster of worker processes cuts as the host backend does.
     """
     import dask_overlap.graph.map_blocks as map_blocks_module
+    import dask_overlap.graph.steps as steps_module
     import dask_overlap.pipeline.partition as partition_module
 
     placement = map_blocks_module.placement
@@ -65,6 +67,7 @@ def as_on_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
         return dataclasses.replace(placement(backend), backends=frozenset({"cuda"}))
 
     monkeypatch.setattr(map_blocks_module, "placement", on_a_device)
+    monkeypatch.setattr(steps_module, "placement", on_a_device)
     monkeypatch.setattr(partition_module, "AUTO_CUTS_HOST_MEMORY", True)
 
 

@@ -331,6 +331,20 @@ def recording() -> Any:
     return Recording
 
 
+def test_a_store_is_left_to_dask_where_every_partition_runs_on_the_host(recording):
+    # There it saves no copy, and would keep each partition's input alive through the
+    # write (graph/steps.py, store_of).
+    a, x = data()
+    y = stage(double, x)
+    target = np.zeros(a.shape).view(recording)
+    stored = da.store(y, target, lock=False, compute=False)
+    assert steps(stored) == [["double"]]
+    stored.compute()
+    np.testing.assert_array_equal(np.asarray(target), a * 2)
+    assert recording.writes == x.npartitions  # Dask's store step, a block each
+
+
+@pytest.mark.usefixtures("as_on_a_device")  # (on the host, a store is not taken in)
 def test_a_store_after_a_stage_fills_the_target_in_place(recording):
     a, x = data()
     y = stage(double, x, sub_chunk_bytes="2KiB")
@@ -344,6 +358,7 @@ def test_a_store_after_a_stage_fills_the_target_in_place(recording):
     assert stats["partitions"] == x.npartitions and stats["sub_chunks"] > x.npartitions
 
 
+@pytest.mark.usefixtures("as_on_a_device")  # (on the host, a store is not taken in)
 @pytest.mark.parametrize(
     "kwargs", [{"lock": True}, {"regions": (slice(16, 272),)}, {"return_stored": True}]
 )
@@ -360,6 +375,7 @@ def test_a_fused_store_does_what_dask_store_does(kwargs):
         np.testing.assert_array_equal(out.compute(), expected.compute())
 
 
+@pytest.mark.usefixtures("as_on_a_device")  # (on the host, a store is not taken in)
 @pytest.mark.parametrize("how", ["strided", "other dtype"])
 def test_a_target_that_cannot_be_filled_in_place_is_written_as_dask_writes_it(recording, how):
     a, x = data()
@@ -374,6 +390,7 @@ def test_a_target_that_cannot_be_filled_in_place_is_written_as_dask_writes_it(re
     assert wait_until_idle()["partitions"] == x.npartitions  # fused all the same
 
 
+@pytest.mark.usefixtures("as_on_a_device")  # (on the host, a store is not taken in)
 @pytest.mark.parametrize("how", ["delayed", "large"])
 def test_a_target_in_a_key_of_its_own_is_handed_to_the_partition(recording, how):
     # Dask puts a Delayed target, or a large array, in a key of its own: the fused
