@@ -333,9 +333,10 @@ def recording() -> Any:
 
 def test_a_store_is_left_to_dask_where_every_partition_runs_on_the_host(recording):
     # There it saves no copy, and would keep each partition's input alive through the
-    # write (graph/steps.py, store_of).
+    # write (graph/steps.py, store_of). (The host backend named: also on a GPU machine.)
     a, x = data()
-    y = stage(double, x)
+    with dask.config.set({"overlap.backend": "host"}):
+        y = stage(double, x)
     target = np.zeros(a.shape).view(recording)
     stored = da.store(y, target, lock=False, compute=False)
     assert steps(stored) == [["double"]]
