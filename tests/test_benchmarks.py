@@ -156,8 +156,10 @@ def test_bench_halo_on_the_cpu(tmp_path, monkeypatch):
     assert result["boundaries_checked"] == ["reflect", "periodic", "nearest", "none", "0.0"]
     assert result["size_bytes"] == 4 << 20 and result["block_bytes"] == 512 << 10
     keys = {"naive_gbps", "overlap_then_map_blocks_gbps", "map_overlap_gbps", "no_halo_gbps",
-            "map_overlap_over_no_halo", "speedup_vs_naive"}  # fmt: skip
+            "map_overlap_over_no_halo", "speedup_vs_naive", "edges_made_gbps",
+            "edge_reuse_ceiling"}  # fmt: skip
     assert keys <= set(result) and all(result[k] > 0 for k in keys)
+    assert result["edge_bytes_share"] == pytest.approx(16 / 48)  # 2 x 8 planes on 32
     (line,) = history(tmp_path)
     assert line["benchmark"] == "halo" and line["figures"]["correct"] is True
 
