@@ -20,7 +20,16 @@ import numpy as np
 
 from .layout import along
 
-__all__ = ["BatchBlocks", "PerBlock", "cut", "foldable", "folded", "pieces", "unfolded"]
+__all__ = [
+    "BatchBlocks",
+    "PerBlock",
+    "cut",
+    "fetched_dict",
+    "foldable",
+    "folded",
+    "pieces",
+    "unfolded",
+]
 
 
 class BatchBlocks(NamedTuple):
@@ -148,7 +157,7 @@ def _fetched(
     ``axis`` in one copy (joined on the device, then cut into views), others one by one
     (a dict's values each)."""
     if len(values) == 1 and type(values[0]) is dict:
-        return [{k: fetch(v) if is_device(v) else v for k, v in values[0].items()}]
+        return [fetched_dict(values[0], is_device, fetch)]
     on_device = [is_device(v) for v in values]
     if not any(on_device):
         return values
@@ -157,6 +166,14 @@ def _fetched(
         stops = np.cumsum([v.shape[axis] for v in values])[:-1]
         return list(np.split(joined, stops, axis=axis))
     return [fetch(v) if d else v for v, d in zip(values, on_device, strict=True)]
+
+
+def fetched_dict(
+    partial: dict, is_device: Callable[[Any], bool], fetch: Callable[[Any], Any]
+) -> dict:
+    """A dict partial (a fused ``mean``'s or ``var``'s first step) on the host, its device
+    arrays fetched one by one."""
+    return {k: fetch(v) if is_device(v) else v for k, v in partial.items()}
 
 
 def _joinable(values: list[Any], axis: int) -> bool:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .blocks import PerBlock
+from .blocks import PerBlock, fetched_dict
 from .engine import Stage
 from .halo import HALO_KWARG
 from .inputs import HaloInput, as_input
@@ -227,10 +227,11 @@ class PartitionWork:
         by one (on the device with ``out="device"``)."""
         backend = self.backend
         keep = self.spec.out == "device"
-        out = {
-            k: v if keep or not backend.is_device(v) else backend.fetch(stream, v)
-            for k, v in partial.items()
-        }
+        out = (
+            partial
+            if keep
+            else fetched_dict(partial, backend.is_device, lambda v: backend.fetch(stream, v))
+        )
         sub.device = (sub.device[0], partial)
         sub.d2h_bytes = 0 if keep else sum(getattr(v, "nbytes", 0) for v in out.values())
         self.output.array = out
