@@ -28,7 +28,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 if ! python3 -c "import rmm, dask, distributed" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    # A warm machine keeps /tmp/site from the call before: installed once, not again.
+    if ! PYTHONPATH=/tmp/site python3 -c "import rmm, dask, distributed" 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    fi
     export PYTHONPATH=$PWD:/tmp/site
 fi
 export PYTHONUNBUFFERED=1
