@@ -83,10 +83,7 @@ def test_annotations_and_the_partition_task_survive_the_rewrite(x):
     with dask.annotate(retries=3):
         y = dask_overlap.map_blocks(add, x, r, split_axis=0, batch=1, dtype=x.dtype)
     layer = y.dask.layers[y.name]
-    assert layer.annotations == {
-        "retries": 3,
-        dask_overlap.graph.rewrite.PARTITION_ANNOTATION: y.name,
-    }
+    assert layer.annotations == {"retries": 3}
     plain = dask_overlap.map_blocks(add, x, x, split_axis=0, batch=1, dtype=x.dtype)
     kinds = {type(t) for t in dict(layer).values()}
     assert kinds == {type(t) for t in dict(plain.dask.layers[plain.name]).values()}

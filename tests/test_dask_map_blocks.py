@@ -11,10 +11,8 @@ Each runs on the host backend, the timed one (a device modelled on the CPU) and,
 ``gpu``, the cuda one.
 
 Expected failures are the deliberate differences, in :data:`DIFFERENCES` (and, on the GPU
-only, :data:`ON_DEVICE`), and the tests that count what Dask's blockwise fusion makes,
-where dask_overlap's fusion makes something else, in :data:`FUSED_OTHERWISE`; each
-``xfail(strict=True)`` with the reason and the exception it must raise, so one that
-starts to pass fails here until its entry is removed.
+only, :data:`ON_DEVICE`); each ``xfail(strict=True)`` with the reason and the exception it
+must raise, so one that starts to pass fails here until its entry is removed.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import numpy as np
 import pytest
 
 import dask_overlap
-from dask_overlap.graph.rewrite import PARTITION_ANNOTATION
+from dask_overlap.graph.rewrite import is_partition_template
 
 # The array test modules of Dask 2026.8 that hold map_blocks tests (test_sparse needs the
 # ``sparse`` package; where it is missing its test is reported as skipped, saying so).
@@ -60,26 +58,6 @@ DIFFERENCES: dict[tuple[str, str], tuple[type[Exception], str]] = {
         TypeError,
         "sparse blocks are refused on purpose, before any work: a block is copied to the "
         "device and back as dense data (meta=sparse.COO names what it would lose)",
-    ),
-}
-
-# Where dask_overlap's fusion (dask_overlap/graph/fusion.py) and Dask's blockwise fusion
-# differ by design: each fails on a count of layers or tasks, the results are Dask's.
-FUSED_OTHERWISE: dict[tuple[str, str], tuple[type[Exception], str]] = {
-    ("test_array_core", "test_map_blocks_optimize_blockwise"): (
-        AssertionError,
-        "calls Dask's optimize_blockwise on the graph itself, which never merges a partition "
-        "layer: its annotation overlap_partition is not one _can_fuse_annotations lets "
-        "through (kept so on purpose, f83bafb: host cost); dask_overlap's own fusion runs "
-        "only in array_optimize, and takes no step that reads two arrays (c = b + base[3]). "
-        "4 layers remain where Dask expects 1",
-    ),
-    ("test_map_blocks", "test_map_blocks_block_id_fusion"): (
-        AssertionError,
-        "the ones_like layer that makes the partition's input is not fused into it: "
-        "dask_overlap's fusion takes before a partition only a step that reads an array, "
-        "and the partition's annotation keeps Dask's out; 40 tasks where Dask expects 20 "
-        "(astype('f8') of a float64 array is no layer at all)",
     ),
 }
 
@@ -141,7 +119,7 @@ def _routed_test(module: str, test: Callable) -> Callable:
 
     run.dask_test = (module, test.__name__)  # for ON_DEVICE, which the backend fixture reads
     which = (module, test.__name__)
-    difference = DIFFERENCES.get(which) or FUSED_OTHERWISE.get(which)
+    difference = DIFFERENCES.get(which)
     if difference is not None:
         raises, reason = difference
         run = pytest.mark.xfail(strict=True, raises=raises, reason=reason)(run)
@@ -199,7 +177,7 @@ def test_every_dask_map_blocks_test_is_routed():
     expected = {_our_name(m, n) for m in DASK_MODULES for n in _dask_test_names(m)}
     assert set(ROUTED_TESTS) == expected
     assert len(expected) >= 33  # Dask 2026.8: 30 in test_array_core, one in each other
-    for module, name in [*DIFFERENCES, *FUSED_OTHERWISE, *ON_DEVICE]:
+    for module, name in [*DIFFERENCES, *ON_DEVICE]:
         assert _our_name(module, name) in expected
 
 
@@ -222,4 +200,4 @@ def test_the_route_reaches_dask_overlap_and_is_undone(backend):
 
 
 def _is_partition_layer(y: da.Array) -> bool:
-    return PARTITION_ANNOTATION in (y.dask.layers[y.name].annotations or {})
+    return is_partition_template(getattr(y.dask.layers[y.name], "task", None))

@@ -385,5 +385,46 @@ def test_a_users_annotations_stay_beside_the_one_that_keeps_partitions_apart():
     _, x = small()
     with dask.annotate(retries=2):
         y = dask_overlap.map_blocks(np.negative, x, split_axis=0, batch=1)
-    annotations = y.dask.layers[y.name].annotations
-    assert annotations == {"retries": 2, dask_overlap.graph.rewrite.PARTITION_ANNOTATION: y.name}
+    # Built as Dask builds its own map_blocks layer; kept apart where Dask's optimization runs.
+    assert y.dask.layers[y.name].annotations == {"retries": 2}
+    rewrite = dask_overlap.graph.rewrite
+    kept = rewrite.kept_apart(y.dask).layers[y.name]
+    assert kept.annotations == {"retries": 2, rewrite.PARTITION_ANNOTATION: y.name}
+    assert y.dask.layers[y.name].annotations == {"retries": 2}  # (a copy was annotated)
+
+
+def _made_from_nothing() -> da.Array:
+    return da.ones((600, 64), chunks=(100, 64))
+
+
+@pytest.mark.parametrize(
+    ("build", "merged"),
+    [
+        pytest.param(lambda f: f(_made_from_nothing()), True, id="one-reader"),
+        # read by two layers: Dask's own fusion would not merge it into either
+        pytest.param(lambda f: (lambda o: f(o) + o.sum())(_made_from_nothing()), False, id="two"),
+    ],
+)
+def test_a_layer_that_makes_blocks_from_nothing_is_merged_into_its_partitions(build, merged):
+    """``da.ones`` read by a partition layer alone runs in the partition's task, one task a
+    block, as Dask merges it into any reader; read by another layer too, it stays apart."""
+
+    def ours(arr: da.Array) -> da.Array:
+        return dask_overlap.map_blocks(np.negative, arr, split_axis=0, batch=1)
+
+    got = build(ours)
+    dsk = _optimized(got)
+    partitions = [t for t in dsk.values() if isinstance(t, dask_overlap.graph.rewrite._UnfusedTask)]
+    ones = [k for k in dsk if dask.utils.key_split(k) == "ones_like"]
+    assert len(partitions) == (0 if merged else 6)  # merged: inside the fused blocks' subgraphs
+    assert len(ones) == (0 if merged else 6)
+    np.testing.assert_array_equal(got.compute(), build(lambda a: -a).compute())
+
+
+def test_a_user_annotated_source_stays_apart_from_the_partitions():
+    with dask.annotate(retries=4):
+        src = da.ones((600, 64), chunks=(100, 64))
+    y = dask_overlap.map_blocks(np.negative, src, split_axis=0, batch=1)
+    dsk = _optimized(y)
+    assert len([k for k in dsk if dask.utils.key_split(k) == "ones_like"]) == 6
+    np.testing.assert_array_equal(y.compute(), -np.ones((600, 64)))

@@ -47,7 +47,7 @@ from ..config import Options
 from ..pipeline.program import Program
 from ..pipeline.task import PartitionTask
 from .batch import CutBack
-from .rewrite import layer_of, rerouted, retargeted, with_argument
+from .rewrite import kept_apart, layer_of, rerouted, retargeted, with_argument
 from .steps import (
     argument_positions,
     elementwise,
@@ -182,9 +182,10 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
 
 def optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     """Dask's array optimization (or the one set before :func:`install`), after
-    :func:`fuse`: what :func:`install` sets as ``array_optimize``."""
+    :func:`fuse` and :func:`.rewrite.kept_apart`: what :func:`install` sets as
+    ``array_optimize``."""
     if isinstance(dsk, HighLevelGraph):
-        dsk = fuse(dsk, keys)
+        dsk = kept_apart(fuse(dsk, keys))
     return (_previous or _dask_optimize)(dsk, keys, **kwargs)
 
 

@@ -55,7 +55,9 @@ except ImportError:  # pragma: no cover - an older Dask: aliases stay tasks, tas
 __all__ = [
     "PARTITION_ANNOTATION",
     "alias_targets",
+    "is_partition_template",
     "is_task_node",
+    "kept_apart",
     "layer_of",
     "partition_layer",
     "rerouted",
@@ -197,23 +199,69 @@ if _DaskTask is not None:
 
 
 #: The annotation that keeps Dask's blockwise fusion off a partition layer (its value is the
-#: layer's name, so that two partition layers differ too).
+#: layer's name, so that two partition layers differ too). It is given where Dask's
+#: optimization runs (:func:`kept_apart`, from :func:`.fusion.optimize`), not when the
+#: layer is built: a graph handed to Dask's ``optimize_blockwise`` by hand fuses as Dask's
+#: own ``map_blocks`` layers do.
 PARTITION_ANNOTATION = "overlap_partition"
+
+
+def is_partition_template(task: Any) -> bool:
+    """Whether ``task`` (a ``Blockwise`` layer's task template) is a partition layer's (see
+    :func:`unfused_task`)."""
+    return _DaskTask is not None and isinstance(task, _UnfusedTask)
 
 
 def retargeted(
     layer: Blockwise, task: Any, new_task: Any, name: str, annotations: dict | None
 ) -> Blockwise:
     """A copy of the partition layer ``layer`` that calls ``new_task`` where it called
-    ``task``, named ``name`` (its keys and its annotation), with ``annotations`` (the
-    user's; ours added); ``layer`` itself is left as it is."""
+    ``task``, named ``name`` (its keys), with ``annotations`` (the user's); ``layer``
+    itself is left as it is."""
     new = copy.copy(layer)  # Blockwise keeps its state in plain attributes...
     new.__dict__.pop("_cached_dict", None)  # ...and the tasks it made, for the old ones
     new.output = name
     new.indices = tuple((new_task if v is task else v, i) for v, i in layer.indices)
     new.task = unfused_task(layer.task, name)
-    new.annotations = {**(annotations or {}), PARTITION_ANNOTATION: name}
+    new.annotations = dict(annotations) if annotations else None
     return new
+
+
+def _annotated(layer: Blockwise, name: str) -> Blockwise:
+    new = copy.copy(layer)  # (the annotations change nothing in the tasks it made)
+    new.annotations = {**(layer.annotations or {}), PARTITION_ANNOTATION: name}
+    return new
+
+
+def kept_apart(graph: HighLevelGraph) -> HighLevelGraph:
+    """``graph`` as Dask's blockwise fusion, which runs next, should see it: every partition
+    layer given :data:`PARTITION_ANNOTATION`, so that no neighbour is merged into its tasks
+    (each would become a subgraph a block: see :func:`unfused_task`), but for a layer that
+    makes blocks from nothing (``da.ones``, ``da.zeros``, ``da.full``: a ``Blockwise`` layer
+    that depends on no other), read by that partition layer alone, with the same
+    annotations: it gets the same mark, and is merged in as Dask merges it into any reader
+    (one task a block, where its blocks are made and used). The layers are copies; those of
+    ``graph`` are left as they are."""
+    layers = dict(graph.layers)
+    readers: dict[str, set[str]] = {}
+    for name, needs in graph.dependencies.items():
+        for dep in needs:
+            readers.setdefault(dep, set()).add(name)
+    for name, layer in graph.layers.items():
+        if not isinstance(layer, Blockwise) or not is_partition_template(layer.task):
+            continue
+        layers[name] = _annotated(layer, name)
+        for dep in graph.dependencies.get(name, ()):
+            made = graph.layers.get(dep)
+            if (
+                isinstance(made, Blockwise)
+                and not graph.dependencies.get(dep)
+                and readers.get(dep) == {name}
+                and not is_partition_template(made.task)
+                and (made.annotations or {}) == (layer.annotations or {})
+            ):
+                layers[dep] = _annotated(made, name)
+    return HighLevelGraph(layers, graph.dependencies)
 
 
 def with_argument(layer: Blockwise, value: Any) -> Blockwise | None:
@@ -252,8 +300,8 @@ def rerouted(layer: Blockwise, task: Any, new_task: Any, old: str, new: str) -> 
 def unfused_task(template: Any, key: str) -> Any:
     """``template`` (a partition layer's task) as an :class:`_UnfusedTask` for ``key``.
 
-    With the annotation :func:`retargeted` adds, it keeps every task of a partition layer
-    its own task through Dask's two fusions:
+    With the annotation :func:`kept_apart` gives its layer where Dask's optimization runs,
+    it keeps every task of a partition layer its own task through Dask's two fusions:
 
     - linear fusion: its task template is an :class:`_UnfusedTask` (``Task.substitute``
       keeps the class);
@@ -265,7 +313,8 @@ def unfused_task(template: Any, key: str) -> Any:
       a 2-core CPU machine), a partition fused with ``* 1`` after it cost about 740 µs
       against 340-420 µs as tasks of their own; one fused with ``x * 1`` before it, 625
       against 440-530. What does belong in a partition is taken into it by
-      dask_overlap's own fusion (:mod:`.fusion`), which runs before Dask's.
+      dask_overlap's own fusion (:mod:`.fusion`), which runs before Dask's; a layer that
+      makes blocks from nothing is let into it (see :func:`kept_apart`).
     """
     t = template
     if _DaskTask is None or not isinstance(t, _DaskTask):  # pragma: no cover - another Dask

@@ -26,7 +26,7 @@ from ..pipeline.program import PREVIOUS, Call, Template
 from ..pipeline.store import Store, known
 from ..pipeline.task import PartitionTask
 from .placement import placement
-from .rewrite import PARTITION_ANNOTATION, is_task_node
+from .rewrite import PARTITION_ANNOTATION, is_partition_template, is_task_node
 
 __all__ = [
     "ELEMENTWISE",
@@ -93,7 +93,7 @@ def elementwise(task: Any) -> bool:
 def partition_task(layer: Any) -> PartitionTask | None:
     """The partition task of ``layer`` if it is a partition layer (made by ``map_blocks``
     and rewritten by :func:`.rewrite.partition_layer`), else ``None``."""
-    if not isinstance(layer, Blockwise) or PARTITION_ANNOTATION not in (layer.annotations or {}):
+    if not isinstance(layer, Blockwise) or not is_partition_template(layer.task):
         return None
     for value, index in layer.indices:
         if index is None and isinstance(value, PartitionTask):
@@ -102,7 +102,7 @@ def partition_task(layer: Any) -> PartitionTask | None:
 
 
 def own_annotations(layer: Any) -> dict:
-    """``layer``'s annotations but the one that marks a partition layer (the user's)."""
+    """``layer``'s annotations but the one that keeps a partition layer apart (the user's)."""
     return {k: v for k, v in (layer.annotations or {}).items() if k != PARTITION_ANNOTATION}
 
 
