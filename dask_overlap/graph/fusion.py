@@ -39,7 +39,7 @@ from typing import Any
 import dask
 import numpy as np
 from dask.blockwise import Blockwise
-from dask.core import flatten
+from dask.core import flatten, reverse_dict
 from dask.highlevelgraph import HighLevelGraph
 from dask.utils import funcname
 
@@ -133,10 +133,7 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
     changed = True
     while changed:
         changed = False
-        readers: dict[str, set[str]] = {}
-        for name, needs in deps.items():
-            for dep in needs:
-                readers.setdefault(dep, set()).add(name)
+        readers = reverse_dict(deps)
         for name, layer in list(layers.items()):
             task = partition_task(layer)
             if task is None:

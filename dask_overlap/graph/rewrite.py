@@ -43,7 +43,7 @@ from typing import Any
 
 import dask.array as da
 from dask.blockwise import Blockwise
-from dask.core import iskey
+from dask.core import iskey, reverse_dict
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 try:  # Dask's task objects (2024.12 onwards): private, see the module docstring
@@ -242,14 +242,17 @@ def kept_apart(graph: HighLevelGraph) -> HighLevelGraph:
     annotations: it gets the same mark, and is merged in as Dask merges it into any reader
     (one task a block, where its blocks are made and used). The layers are copies; those of
     ``graph`` are left as they are."""
+    partitions = [
+        name
+        for name, layer in graph.layers.items()
+        if isinstance(layer, Blockwise) and is_partition_template(layer.task)
+    ]
+    if not partitions:
+        return graph  # (every array graph of a process that called map_blocks comes here)
     layers = dict(graph.layers)
-    readers: dict[str, set[str]] = {}
-    for name, needs in graph.dependencies.items():
-        for dep in needs:
-            readers.setdefault(dep, set()).add(name)
-    for name, layer in graph.layers.items():
-        if not isinstance(layer, Blockwise) or not is_partition_template(layer.task):
-            continue
+    readers = reverse_dict(graph.dependencies)
+    for name in partitions:
+        layer = graph.layers[name]
         layers[name] = _annotated(layer, name)
         for dep in graph.dependencies.get(name, ()):
             made = graph.layers.get(dep)
