@@ -320,7 +320,9 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
     nbytes = rows * COLS * 4
     threaded_gbps, threaded_ok = demo_threaded(args, rows, rows_per_part)
     with (
-        dask_overlap.LocalGPUCluster(allow_cpu=True, dashboard_address=":0") as cluster,
+        dask_overlap.LocalGPUCluster(
+            allow_cpu=True, dashboard_address=":0", threads_per_worker=args.demo_threads
+        ) as cluster,
         Client(cluster) as client,
     ):
         x = client.persist(demo_input(rows, rows_per_part))  # made on the workers
@@ -525,6 +527,12 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pinned-repeat", type=positive, default=3, help="runs of the pinned case")
     p.add_argument("--threads", default="4", help="Dask threads of the pinned and compute cases")
     p.add_argument("--small-threads", default="4,8", help="Dask threads of the small cases")
+    p.add_argument(
+        "--demo-threads",
+        type=positive,
+        default=None,
+        help="threads of the demo's worker (default: LocalGPUCluster's)",
+    )
     p.add_argument("--hand-in-flight", default="8", help="hand-written: chunks in flight")
     p.add_argument("--hand-threads", default="16", help="hand-written: copy threads")
     p.add_argument("--cases", default=",".join(CASES), help="a comma list of cases to run")

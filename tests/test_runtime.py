@@ -361,6 +361,47 @@ def test_auto_sub_chunks_follow_the_partitions_running(monkeypatch, as_on_a_devi
         assert rt.stats()["sub_chunks"] - before == subs
 
 
+@pytest.mark.parametrize(
+    "partition, expected",
+    [(256 << 20, 32 << 20), (48 << 20, 24 << 20), (16 << 20, 16 << 20), (1, 1), (0, 1)],
+)
+def test_auto_sub_chunks_of_pinned_input_are_even_pieces_of_at_most_32_mib(
+    partition, expected
+):
+    """Unstaged: however many partitions run, cut into even pieces of at most 32 MiB."""
+    from dask_overlap.pipeline.layout import auto_sub_chunk_bytes
+
+    for running in (1, 4, 40):
+        assert auto_sub_chunk_bytes(partition, running, staged=False) == expected
+
+
+def test_auto_sub_chunks_cut_pinned_input_finer_than_pageable(monkeypatch, as_on_a_device):
+    """A partition whose input is pinned already is cut into ``AUTO_UNSTAGED_BYTES`` pieces
+    even beside three running partitions; the same partition from pageable memory, or
+    pinned but cut along an axis whose sub-chunks are not whole rows, is not cut."""
+    from dask_overlap.pipeline import layout
+
+    monkeypatch.setattr(layout, "AUTO_MIN_BYTES", 1024)
+    monkeypatch.setattr(layout, "AUTO_UNSTAGED_BYTES", 16 * 128 * 8)  # 16 rows
+    a = np.arange(64 * 128, dtype=np.float64).reshape(64, 128)  # one partition of 64 KiB
+    rt = dask_overlap.get_runtime()
+    block = rt.backend.pinned.allocate(a.nbytes)  # back to the pool when collected
+    assert block is not None
+    pinned = block.view(a.dtype).reshape(a.shape)
+    pinned[...] = a
+    for source, axis, subs in ((pinned, 0, 4), (a, 0, 1), (pinned, 1, 1)):
+        # (da.from_array would copy the block, into pageable memory)
+        x = da.Array({("pinned-or-not", 0, 0): source}, "pinned-or-not", ((64,), (128,)), a.dtype)
+        before = rt.stats()["sub_chunks"]
+        rt.counters.add(partitions_active=3)
+        try:
+            y = dask_overlap.map_blocks(np.negative, x, split_axis=axis, sub_chunk_bytes="auto")
+            np.testing.assert_array_equal(y.compute(), -a)
+        finally:
+            rt.counters.add(partitions_active=-3)
+        assert rt.stats()["sub_chunks"] - before == subs, (axis, source is pinned)
+
+
 def test_a_partition_of_one_sub_chunk_runs_on_its_own_thread(monkeypatch):
     """The lean path: a partition that is one sub-chunk enqueues and waits itself
     (Stream.run), with no hand-off to a stream thread; a split one uses the streams."""

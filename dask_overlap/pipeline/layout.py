@@ -21,6 +21,7 @@ from .engine import Plan, plan_sub_chunks
 __all__ = [
     "AUTO_IN_FLIGHT",
     "AUTO_MIN_BYTES",
+    "AUTO_UNSTAGED_BYTES",
     "Layout",
     "along",
     "auto_sub_chunk_bytes",
@@ -33,6 +34,12 @@ __all__ = [
 AUTO_IN_FLIGHT = 4
 #: ...and never cuts below this size (smaller sub-chunks cost more host work per byte).
 AUTO_MIN_BYTES = 64 << 20
+#: The sub-chunk size of a partition whose inputs need no staging (pinned already): a cut
+#: then costs a copy and a kernel launch more, not a staging copy, and finer cuts fill and
+#: drain the copy engines sooner (H100, 4 GiB pinned, 256 MiB partitions, 4 threads:
+#: 0.918 of the both-ways bound at 32 MiB, 0.896 at 64 MiB, 0.841 whole:
+#: benchmarks/results/pinned-sub-chunk-sweep.json).
+AUTO_UNSTAGED_BYTES = 32 << 20
 
 
 def own_axis(axis: int, ndim: int, array_ndim: int) -> int:
@@ -129,13 +136,16 @@ class Layout:
         return info
 
 
-def auto_sub_chunk_bytes(partition_bytes: int, running: int) -> int:
+def auto_sub_chunk_bytes(partition_bytes: int, running: int, staged: bool = True) -> int:
     """The sub-chunk size of ``sub-chunk-bytes: auto`` for a partition of ``partition_bytes``
-    while ``running`` partitions (this one included) share the runtime.
+    while ``running`` partitions (this one included) share the runtime; ``staged``: whether
+    its inputs go through the pinned ring.
 
-    A partition is cut only as far as the runtime needs sub-chunks in flight: partitions
-    that run at once already overlap each other's copies and kernels, and each cut adds
-    host work (measured on the H200: see ``overlap.yaml``).
+    A staged partition is cut only as far as the runtime needs sub-chunks in flight:
+    partitions that run at once already overlap each other's copies and kernels, and each
+    cut adds host work, a staging copy more (measured on the H200: see ``overlap.yaml``).
+    A partition whose inputs are pinned already is cut into even pieces of about
+    ``AUTO_UNSTAGED_BYTES`` however many run: its cuts cost no staging.
 
     Examples
     --------
@@ -144,7 +154,12 @@ def auto_sub_chunk_bytes(partition_bytes: int, running: int) -> int:
     [64, 128, 128, 256, 256]
     >>> auto_sub_chunk_bytes(16 * MiB, 1) // MiB  # never below 64 MiB
     64
+    >>> [auto_sub_chunk_bytes(n * MiB, 16, staged=False) // MiB for n in (256, 48, 16)]
+    [32, 24, 16]
     """
+    if not staged:
+        cuts = max(1, -(-int(partition_bytes) // AUTO_UNSTAGED_BYTES))
+        return max(1, -(-int(partition_bytes) // cuts))
     cuts = -(-AUTO_IN_FLIGHT // max(1, running))
     return max(AUTO_MIN_BYTES, -(-int(partition_bytes) // cuts))
 

@@ -28,7 +28,7 @@ import numpy as np
 from .engine import Done, Failed, Pipeline, Stage
 from .executors import InlineExecutor, ThreadedExecutor
 from .halo import HaloBlock
-from .layout import Layout, auto_sub_chunk_bytes, layout, whole
+from .layout import Layout, auto_sub_chunk_bytes, layout, own_axis, whole
 from .pieces import Pieces, PinnedBlocks, join
 from .results import partition_name, refuse_block
 from .runtime import Runtime
@@ -247,6 +247,26 @@ def _clear_frames(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
+def _staged(rt: Runtime, args: list[Any], spec: PartitionSpec) -> bool:
+    """Whether a cut partition's inputs go through the pinned ring: not where every array
+    input is host memory that is pinned already and whose sub-chunks are whole rows of it
+    (cut along its first axis, C-contiguous). A batch's blocks, a halo's block and a device
+    array keep the staged sizing: their cuts have costs of their own."""
+    bytes_in = 0
+    for p in spec.array_positions:
+        a = args[p]
+        if type(a) is not np.ndarray:
+            return True
+        if a.nbytes and (
+            own_axis(spec.split_axis, spec.ndim, a.ndim) > 0
+            or not a.flags.c_contiguous
+            or not rt.backend.is_pinned(a)
+        ):
+            return True
+        bytes_in += a.nbytes
+    return not bytes_in
+
+
 def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
     """The partition's blocks as plain arrays (in ``args``, in place), and its layout."""
     is_device = rt.backend.is_device
@@ -276,7 +296,9 @@ def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
     elif sub_chunk_bytes == "auto":
         size = sum(getattr(args[p], "nbytes", 0) for p in spec.array_positions)
         # This partition and those already running share the device.
-        sub_chunk_bytes = auto_sub_chunk_bytes(size, rt.counters.partitions_active + 1)
+        sub_chunk_bytes = auto_sub_chunk_bytes(
+            size, rt.counters.partitions_active + 1, _staged(rt, args, spec)
+        )
     return layout(
         args,
         spec.array_positions,
