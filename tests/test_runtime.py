@@ -365,9 +365,7 @@ def test_auto_sub_chunks_follow_the_partitions_running(monkeypatch, as_on_a_devi
     "partition, expected",
     [(256 << 20, 32 << 20), (48 << 20, 24 << 20), (16 << 20, 16 << 20), (1, 1), (0, 1)],
 )
-def test_auto_sub_chunks_of_pinned_input_are_even_pieces_of_at_most_32_mib(
-    partition, expected
-):
+def test_auto_sub_chunks_of_pinned_input_are_even_pieces_of_at_most_32_mib(partition, expected):
     """Unstaged: however many partitions run, cut into even pieces of at most 32 MiB."""
     from dask_overlap.pipeline.layout import auto_sub_chunk_bytes
 
