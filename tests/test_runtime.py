@@ -502,3 +502,31 @@ def test_cached_device_memory_goes_back_only_once_the_runtime_is_idle(monkeypatc
         assert set(trims) == {0}
     finally:
         rt.close()
+
+
+def test_which_partitions_auto_sizes_as_unstaged():
+    """Only host arrays that are pinned already, cut into whole rows of theirs, skip the
+    staged sizing: pageable input, a cut across rows, a column-ordered array, a batch's
+    blocks or no bytes at all keep it; an input without the cut axis (broadcast) does not
+    stop it."""
+    from dask_overlap.pipeline.partition import PartitionSpec, _staged
+    from dask_overlap.pipeline.pieces import PinnedBlocks
+
+    rt = dask_overlap.get_runtime()
+    block = rt.backend.pinned.allocate(2 * 64 * 8 * 8)
+    assert block is not None
+    pinned = block[: 64 * 8 * 8].view(np.float64).reshape(64, 8)
+    row = block[64 * 8 * 8 : 64 * 8 * 8 + 8 * 8].view(np.float64)  # (8,): lacks axis 0
+
+    def staged(*arrays, axis=0):
+        spec = PartitionSpec(("x", 0), tuple(range(len(arrays))), 2, axis, axis, "auto", 4)
+        return _staged(rt, list(arrays), spec)
+
+    assert not staged(pinned)
+    assert not staged(pinned, row)  # the row is broadcast: copied whole, pinned
+    assert staged(np.ones((64, 8)))  # pageable
+    assert staged(pinned, axis=1)  # sub-chunks are columns: not whole rows
+    assert staged(np.asfortranarray(pinned))  # a copy, pageable and column-ordered
+    assert staged(pinned[:, ::2])  # pinned, but not C-contiguous
+    assert staged(np.empty((0, 8)))  # no bytes at all: the staged sizing
+    assert staged(object.__new__(PinnedBlocks))  # a batch's blocks
