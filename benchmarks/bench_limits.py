@@ -13,7 +13,8 @@ and the rows they write:
 - ``default`` (rows ``default_split``, ``default_nosplit``): the path users run, no
   ``overlap.*`` setting, pageable input in ``--partition`` partitions, the balanced
   kernel (as long as one partition's H2D), ``dask_overlap.map_blocks(f, x,
-  split_axis=0)`` and without a split, Dask's threaded scheduler with its own threads,
+  split_axis=0)`` and without a split, Dask's threaded scheduler with its own threads
+  (``--default-threads`` sets them),
   against the hand-written pipeline with no Dask (``common.handwritten_runs``: its best
   over ``--hand-in-flight`` and ``--hand-threads``; CUDA only, the naive path elsewhere);
 - ``gaussian1d``: ``gaussian_filter1d`` along rows (cupyx on the GPU, SciPy on the CPU)
@@ -64,6 +65,7 @@ from typing import Any
 import dask
 import dask.array as da
 import numpy as np
+from dask.system import CPU_COUNT
 from dask.utils import format_bytes
 
 import dask_overlap
@@ -166,11 +168,14 @@ def case_default(args: argparse.Namespace) -> dict[str, dict]:
     rows_per_part = rows_of(args.partition)
     func, _, _ = calibrated(rt, host[:rows_per_part], "balanced")
     x = array_of_views(host, rows_per_part)
-    naive_s, ref = warm_then_time(naive(x, func), 1, **THREADED)
+    threaded = dict(THREADED)
+    if args.default_threads is not None:
+        threaded["num_workers"] = args.default_threads
+    naive_s, ref = warm_then_time(naive(x, func), 1, **threaded)
     figures = {}
     for name, split in (("default_split", 0), ("default_nosplit", None)):
         arr = dask_overlap.map_blocks(func, x, split_axis=split, dtype=np.float32)
-        seconds, got = warm_then_time(arr, args.repeat, **THREADED)
+        seconds, got = warm_then_time(arr, args.repeat, **threaded)
         figures[name] = (host.nbytes / seconds / GB, same_chunks(ref, got))
         del got
     extra: dict[str, Any] = {"naive_gbps": host.nbytes / naive_s / GB}
@@ -192,6 +197,8 @@ def case_default(args: argparse.Namespace) -> dict[str, dict]:
     rows["default_split"]["over_nosplit"] = (
         figures["default_split"][0] / figures["default_nosplit"][0]
     )
+    for row in rows.values():
+        row["dask_threads"] = args.default_threads or CPU_COUNT
     return rows
 
 
@@ -527,6 +534,12 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pinned-repeat", type=positive, default=3, help="runs of the pinned case")
     p.add_argument("--threads", default="4", help="Dask threads of the pinned and compute cases")
     p.add_argument("--small-threads", default="4,8", help="Dask threads of the small cases")
+    p.add_argument(
+        "--default-threads",
+        type=positive,
+        default=None,
+        help="threads of the default case's scheduler (default: Dask's, one per core)",
+    )
     p.add_argument(
         "--demo-threads",
         type=positive,

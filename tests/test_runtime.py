@@ -350,15 +350,62 @@ def test_auto_sub_chunks_follow_the_partitions_running(monkeypatch, as_on_a_devi
     a = np.arange(64 * 128, dtype=np.float64).reshape(64, 128)  # one partition of 64 KiB
     x = da.from_array(a, chunks=(64, 128))
     rt = dask_overlap.get_runtime()
+    monkeypatch.setattr(rt.counters, "_last_peak", 0)  # no burst before this test's
     for others, subs in ((0, 4), (3, 1)):
         before = rt.stats()["sub_chunks"]
-        rt.counters.add(partitions_active=others)
+        running = [rt.counters.enter() for _ in range(others)]
         try:
             y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes="auto")
             np.testing.assert_array_equal(y.compute(), -a)
         finally:
-            rt.counters.add(partitions_active=-others)
+            for e in running:
+                rt.counters.leave(e)
         assert rt.stats()["sub_chunks"] - before == subs
+
+
+def test_auto_sub_chunks_size_a_bursts_first_partition_by_the_burst_before(
+    monkeypatch, as_on_a_device
+):
+    """A burst's first partitions start before the others have entered: after partitions
+    that ran four at once, the next one to start alone is not cut (the same threads will
+    run the others beside it); once a partition has run alone, the next one is cut."""
+    from dask_overlap.pipeline import layout
+
+    monkeypatch.setattr(layout, "AUTO_MIN_BYTES", 1024)
+    a = np.arange(64 * 128, dtype=np.float64).reshape(64, 128)  # one partition of 64 KiB
+    x = da.from_array(a, chunks=(64, 128))
+    rt = dask_overlap.get_runtime()
+    monkeypatch.setattr(rt.counters, "_last_peak", 0)
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes="auto")
+    subs = []
+    for others in (3, 0, 0, 0):
+        before = rt.stats()["sub_chunks"]
+        running = [rt.counters.enter() for _ in range(others)]
+        np.testing.assert_array_equal(y.compute(), -a)
+        for e in running:  # they leave after it: the last to leave ran four at once
+            rt.counters.leave(e)
+        subs.append(rt.stats()["sub_chunks"] - before)
+    assert subs == [1, 1, 4, 4]
+
+
+def test_counters_keep_the_most_partitions_that_ran_beside_the_last_to_leave():
+    from dask_overlap.pipeline.stats import Counters
+
+    c = Counters()
+    assert c.sharing() == 0
+    a = c.enter()
+    b = c.enter()
+    assert (a.peak, b.peak, c.sharing()) == (2, 2, 2)
+    c.leave(b)
+    d = c.enter()  # two again, not three: b left before d entered
+    assert (a.peak, d.peak, c.partitions_active) == (2, 2, 2)
+    c.leave(a)
+    c.leave(d)
+    assert (c.partitions_active, c.sharing()) == (0, 2)
+    alone = c.enter()
+    c.leave(alone)
+    assert c.sharing() == 1
+    assert "_last_peak" not in c.snapshot() and "_live" not in c.snapshot()
 
 
 @pytest.mark.parametrize(
@@ -391,12 +438,13 @@ def test_auto_sub_chunks_cut_pinned_input_finer_than_pageable(monkeypatch, as_on
         # (da.from_array would copy the block, into pageable memory)
         x = da.Array({("pinned-or-not", 0, 0): source}, "pinned-or-not", ((64,), (128,)), a.dtype)
         before = rt.stats()["sub_chunks"]
-        rt.counters.add(partitions_active=3)
+        running = [rt.counters.enter() for _ in range(3)]
         try:
             y = dask_overlap.map_blocks(np.negative, x, split_axis=axis, sub_chunk_bytes="auto")
             np.testing.assert_array_equal(y.compute(), -a)
         finally:
-            rt.counters.add(partitions_active=-3)
+            for e in running:
+                rt.counters.leave(e)
         assert rt.stats()["sub_chunks"] - before == subs, (axis, source is pinned)
 
 

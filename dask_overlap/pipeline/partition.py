@@ -28,6 +28,7 @@ import numpy as np
 from .engine import Done, Failed, Pipeline, Stage
 from .executors import InlineExecutor, ThreadedExecutor
 from .halo import HaloBlock
+from .inputs import as_input
 from .layout import Layout, auto_sub_chunk_bytes, layout, own_axis, whole
 from .pieces import Pieces, PinnedBlocks, join
 from .results import partition_name, refuse_block
@@ -103,19 +104,23 @@ def run_partition(
 def _run(
     rt: Runtime, func: Callable[..., Any], args: tuple, kwargs: dict, spec: PartitionSpec
 ) -> Any:
-    blocks = list(args)
-    try:
-        lay = _lay_out(rt, blocks, spec)
-    except Exception as e:
-        e.add_note(f"dask_overlap: {spec.func_name}, {_blocks_of(spec)}")
-        raise
-    work = PartitionWork(rt, func, blocks, kwargs, spec, lay)
-    stall = rt.options.stall_timeout
-    executor = (ThreadedExecutor if lay.cut else InlineExecutor)(work, stall)
     counters = rt.counters
-    counters.add(partitions=1, partitions_active=1, window_capacity=work.window)
-    with work.meter.task():  # digests in this thread: context_meter is a ContextVar
-        failure = _drive(work, executor)
+    entry = counters.enter()  # running from here: what sizes it counts it
+    try:
+        blocks = list(args)
+        try:
+            lay = _lay_out(rt, blocks, spec)
+        except Exception as e:
+            e.add_note(f"dask_overlap: {spec.func_name}, {_blocks_of(spec)}")
+            raise
+        work = PartitionWork(rt, func, blocks, kwargs, spec, lay)
+        stall = rt.options.stall_timeout
+        executor = (ThreadedExecutor if lay.cut else InlineExecutor)(work, stall)
+        counters.add(partitions=1, window_capacity=work.window)
+        with work.meter.task():  # digests in this thread: context_meter is a ContextVar
+            failure = _drive(work, executor)
+    finally:
+        counters.leave(entry)
     if failure is not None:
         _raise(work, failure)
     return work.output.array
@@ -175,7 +180,6 @@ def _drive(work: PartitionWork, ex: InlineExecutor | ThreadedExecutor) -> Failed
                 "in_flight": -in_flight,
                 "device_bytes_in_flight": work.device_delta,
                 "backpressure_seconds": waited,
-                "partitions_active": -1,
                 "window_capacity": -work.window,
             },
         )
@@ -259,8 +263,7 @@ def _staged(rt: Runtime, args: list[Any], spec: PartitionSpec) -> bool:
             return True
         if a.nbytes and (
             own_axis(spec.split_axis, spec.ndim, a.ndim) > 0
-            or not a.flags.c_contiguous
-            or not rt.backend.is_pinned(a)
+            or as_input(rt.backend, a).needs_staging
         ):
             return True
         bytes_in += a.nbytes
@@ -295,10 +298,8 @@ def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
         sub_chunk_bytes = _UNCUT
     elif sub_chunk_bytes == "auto":
         size = sum(getattr(args[p], "nbytes", 0) for p in spec.array_positions)
-        # This partition and those already running share the device.
-        sub_chunk_bytes = auto_sub_chunk_bytes(
-            size, rt.counters.partitions_active + 1, _staged(rt, args, spec)
-        )
+        # This partition and those running beside it share the device.
+        sub_chunk_bytes = auto_sub_chunk_bytes(size, rt.counters.sharing(), _staged(rt, args, spec))
     return layout(
         args,
         spec.array_positions,

@@ -6,7 +6,17 @@ import dataclasses
 import threading
 from typing import Any
 
-__all__ = ["Counters"]
+__all__ = ["Counters", "Entry"]
+
+
+class Entry:
+    """A running partition, in ``Counters``: the most partitions that ran at once since it
+    entered (itself included). Compared by identity."""
+
+    __slots__ = ("peak",)
+
+    def __init__(self, peak: int) -> None:
+        self.peak = peak
 
 
 @dataclasses.dataclass
@@ -45,6 +55,9 @@ class Counters:
     _lock: threading.Lock = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False
     )
+    # The running partitions' entries (see ``enter``), and the peak of the one that left last
+    _live: list[Entry] = dataclasses.field(default_factory=list, repr=False, compare=False)
+    _last_peak: int = 0
 
     def _add(self, amounts: dict[str, float]) -> None:
         """Add ``amounts``; the caller holds the lock."""
@@ -58,6 +71,47 @@ class Counters:
     def add(self, **amounts: float) -> None:
         with self._lock:
             self._add(amounts)
+
+    def enter(self) -> Entry:
+        """A partition task starts: counted in ``partitions_active`` until it leaves.
+        Its entry keeps the most partitions that ran at once while it ran (``sharing``)."""
+        with self._lock:
+            self.partitions_active += 1
+            n = self.partitions_active
+            entry = Entry(n)
+            live = self._live
+            live.append(entry)
+            for e in live:
+                if e.peak < n:
+                    e.peak = n
+        return entry
+
+    def leave(self, entry: Entry) -> None:
+        with self._lock:
+            self.partitions_active -= 1
+            self._live.remove(entry)
+            self._last_peak = entry.peak
+
+    def sharing(self) -> int:
+        """How many partitions share the runtime, for sizing a partition that has entered:
+        those running now or, where more, the most that ran beside the partition that left
+        last. The first partitions of a burst start before the others have entered; the
+        executor that runs them (a worker's threads) is the same as the burst before.
+
+        >>> c = Counters()
+        >>> burst = [c.enter() for _ in range(4)]
+        >>> for e in burst:
+        ...     c.leave(e)
+        >>> first = c.enter()
+        >>> c.sharing()  # alone for now, after a burst of four
+        4
+        >>> c.leave(first)
+        >>> alone = c.enter()
+        >>> c.sharing()  # the partition before ran alone
+        1
+        """
+        with self._lock:
+            return max(self.partitions_active, self._last_peak)
 
     def settle(self, amounts: dict[str, float], window: int, busy: dict[str, float]) -> None:
         """A partition's tallies at its end, under one lock: ``amounts`` added, the most
