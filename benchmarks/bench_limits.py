@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -92,8 +91,10 @@ from common import (  # noqa: E402
     make_kernel,
     measure_ceilings,
     naive,
+    pair_ratios,
     parser,
     persist_chunks,
+    persist_in_turn,
     persist_timed,
     pinned_copy,
     pinned_pool_size,
@@ -183,14 +184,9 @@ def case_default(args: argparse.Namespace) -> dict[str, dict]:
     # The two in turn, run for run: a drift of the machine's speed (a 4 GiB run takes a
     # quarter of a second) weighs on both alike, and each pair gives a ratio.
     warm_up(*arrays.values(), **threaded)
-    seconds: dict[str, list[float]] = {name: [] for name in arrays}
-    correct = dict.fromkeys(arrays, True)
-    for _ in range(args.repeat):
-        for name, arr in arrays.items():
-            s, got = persist_chunks(arr, **threaded)
-            seconds[name].append(s)
-            correct[name] = correct[name] and same_chunks(ref, got)
-            del got
+    seconds, correct = persist_in_turn(
+        arrays, args.repeat, lambda got: same_chunks(ref, got), **threaded
+    )
     figures = {name: (host.nbytes / min(t) / GB, correct[name]) for name, t in seconds.items()}
     extra: dict[str, Any] = {"naive_gbps": host.nbytes / naive_s / GB}
     if rt.name == "cuda":
@@ -208,14 +204,10 @@ def case_default(args: argparse.Namespace) -> dict[str, dict]:
         name: against_reference(gbps, base, what, ok, **extra)
         for name, (gbps, ok) in figures.items()
     }
-    rows["default_split"]["over_nosplit"] = (
-        figures["default_split"][0] / figures["default_nosplit"][0]
-    )
-    pairs = [
-        n / s for s, n in zip(seconds["default_split"], seconds["default_nosplit"], strict=True)
-    ]
-    rows["default_split"]["over_nosplit_pairs"] = pairs
-    rows["default_split"]["over_nosplit_median"] = statistics.median(pairs)
+    vs = pair_ratios(seconds["default_split"], seconds["default_nosplit"])
+    rows["default_split"]["over_nosplit"] = vs["best"]
+    rows["default_split"]["over_nosplit_pairs"] = vs["pairs"]
+    rows["default_split"]["over_nosplit_median"] = vs["median"]
     for row in rows.values():
         row["dask_threads"] = args.default_threads or CPU_COUNT
     return rows

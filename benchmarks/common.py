@@ -20,6 +20,7 @@ import json
 import os
 import pstats
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -623,6 +624,37 @@ def best_of(run: Callable[[], tuple[float, T]], repeat: int) -> tuple[float, T]:
 def best_persist(arr: da.Array, repeat: int, **persist_kw: Any) -> tuple[float, list]:
     """The best of ``repeat`` :func:`persist_chunks`, and the last run's chunks."""
     return best_of(lambda: persist_chunks(arr, **persist_kw), repeat)
+
+
+def persist_in_turn(
+    arrays: dict[str, da.Array],
+    repeat: int,
+    check: Callable[[list[np.ndarray]], bool],
+    **persist_kw: Any,
+) -> tuple[dict[str, list[float]], dict[str, bool]]:
+    """Each of ``arrays`` persisted once in turn, ``repeat`` times over: the seconds of each
+    one's runs, and whether ``check`` held for every run's chunks. A drift of the machine's
+    speed weighs on each alike, and the i-th runs make a pair (:func:`pair_ratios`)."""
+    seconds: dict[str, list[float]] = {name: [] for name in arrays}
+    ok = dict.fromkeys(arrays, True)
+    for _ in range(repeat):
+        for name, arr in arrays.items():
+            s, got = persist_chunks(arr, **persist_kw)
+            seconds[name].append(s)
+            ok[name] = ok[name] and check(got)
+            del got  # the run's chunks go before the next run
+    return seconds, ok
+
+
+def pair_ratios(seconds: list[float], other: list[float]) -> dict[str, Any]:
+    """How fast the runs of ``seconds`` were against those of ``other``: ``best`` over
+    best, each pair's (``pairs``) and their ``median``.
+
+    >>> pair_ratios([1.0, 2.0, 1.0], [2.0, 2.0, 1.5])
+    {'best': 1.5, 'pairs': [2.0, 1.0, 1.5], 'median': 1.5}
+    """
+    pairs = [o / s for s, o in zip(seconds, other, strict=True)]
+    return {"best": min(other) / min(seconds), "pairs": pairs, "median": statistics.median(pairs)}
 
 
 def warm_up(*arrays: da.Array, blocks: int = 2, **persist_kw: Any) -> None:

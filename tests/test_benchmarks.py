@@ -292,3 +292,29 @@ def test_bench_limits_refuses_bad_arguments_before_any_work(argv, words):
     )
     assert out.returncode == 2 and words in out.stderr
     assert "==" not in out.stdout  # no case started
+
+
+def test_the_harness_examples_run_as_written():
+    import doctest
+
+    result = doctest.testmod(common, optionflags=doctest.ELLIPSIS, report=True)
+    assert result.attempted >= 2 and result.failed == 0  # same_chunks, pair_ratios, ...
+
+
+def test_runs_in_turn_make_pairs(monkeypatch):
+    """``persist_in_turn`` runs each array once per round, in order, and checks every run."""
+    order: list[str] = []
+    times = iter([1.0, 2.0, 1.0, 1.5, 3.0, 2.0])
+
+    def run(arr, **kw):
+        order.append(arr)
+        return next(times), [arr]
+
+    monkeypatch.setattr(common, "persist_chunks", run)
+    seconds, ok = common.persist_in_turn({"a": "A", "b": "B"}, 3, lambda got: got != ["B"])
+    assert order == ["A", "B"] * 3
+    assert seconds == {"a": [1.0, 1.0, 3.0], "b": [2.0, 1.5, 2.0]}
+    assert ok == {"a": True, "b": False}
+    ratios = common.pair_ratios(seconds["a"], seconds["b"])
+    assert ratios["pairs"] == [2.0, 1.5, 2.0 / 3.0] and ratios["median"] == 1.5
+    assert ratios["best"] == 1.5
