@@ -350,7 +350,7 @@ def test_auto_sub_chunks_follow_the_partitions_running(monkeypatch, as_on_a_devi
     a = np.arange(64 * 128, dtype=np.float64).reshape(64, 128)  # one partition of 64 KiB
     x = da.from_array(a, chunks=(64, 128))
     rt = dask_overlap.get_runtime()
-    monkeypatch.setattr(rt.counters, "_last_peak", 0)  # no burst before this test's
+    assert rt.counters.sharing() == 0  # a fresh runtime (fresh_runtime): no burst before
     for others, subs in ((0, 4), (3, 1)):
         before = rt.stats()["sub_chunks"]
         running = [rt.counters.enter() for _ in range(others)]
@@ -375,7 +375,7 @@ def test_auto_sub_chunks_size_a_bursts_first_partition_by_the_burst_before(
     a = np.arange(64 * 128, dtype=np.float64).reshape(64, 128)  # one partition of 64 KiB
     x = da.from_array(a, chunks=(64, 128))
     rt = dask_overlap.get_runtime()
-    monkeypatch.setattr(rt.counters, "_last_peak", 0)
+    assert rt.counters.sharing() == 0  # a fresh runtime (fresh_runtime): no burst before
     y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes="auto")
     subs = []
     for others in (3, 0, 0, 0):
