@@ -25,7 +25,7 @@ from ..pipeline.layout import AUTO_MIN_BYTES, along, own_axis
 from ..pipeline.pieces import gather
 from .checks import as_list
 from .placement import distributed_workers
-from .rewrite import alias_targets, layer_of
+from .rewrite import alias_targets, keyed_task, layer_of
 
 __all__ = [
     "AUTO_MIN_PARTITIONS",
@@ -150,36 +150,42 @@ def worker_budget(workers: dict[str, dict[str, Any]] | None = None) -> int | Non
 class Gathered(MaterializedLayer):
     """The layer of :func:`joined`'s gather tasks, which also says what it gathers: the
     blocks of ``source`` (``None`` where they are other layers' blocks, seen through
-    aliases), ``k`` at a time along its ``axis``. (Plain data, as :class:`CutBack`.)"""
+    aliases), ``k`` at a time along its ``axis``; ``gathers`` maps each key to the keys of
+    the blocks it gathers. (Plain data, as :class:`CutBack`.)"""
 
-    def __init__(self, mapping: dict, source: str | None, axis: int, k: int):
-        super().__init__(mapping)
-        self.source, self.axis, self.k = source, axis, k
+    def __init__(self, gathers: dict, source: str | None, axis: int, k: int):
+        super().__init__(
+            {
+                key: keyed_task(key, gather, axis, *blocks, refs=range(1, len(blocks) + 1))
+                for key, blocks in gathers.items()
+            }
+        )
+        self.gathers, self.source, self.axis, self.k = gathers, source, axis, k
 
     def regathered(self, name: str, source: str) -> Gathered:
         """The same gathers, named ``name``, of the blocks of ``source`` where they were of
         ``self.source`` (an array of the same grid: the one an elementwise step read)."""
-        mapping = {}
-        for key, (fn, axis, *keys) in self.mapping.items():
-            blocks = ((source, *block[1:]) for block in keys)
-            mapping[(name, *key[1:])] = (fn, axis, *blocks)
-        return Gathered(mapping, source, self.axis, self.k)
+        gathers = {
+            (name, *key[1:]): [(source, *block[1:]) for block in blocks]
+            for key, blocks in self.gathers.items()
+        }
+        return Gathered(gathers, source, self.axis, self.k)
 
 
 class CutBack(MaterializedLayer):
-    """The layer of :func:`unbatched`'s slice tasks, which also says what it cuts: the
-    layer ``batched`` (the partitions' outputs, of ``chunks`` and ``meta``), along ``axis``,
-    ``k`` blocks a batch, the blocks of extents ``blocks`` along it. A next
+    """The layer of :func:`unbatched`'s slice tasks, named ``name``, which also says what
+    it cuts: the layer ``batched`` (the partitions' outputs, of ``chunks`` and ``meta``),
+    along ``axis``, ``k`` blocks a batch, the blocks of extents ``blocks`` along it. A next
     ``batch="auto"`` stage that joins the same ``k`` blocks along that axis takes
     ``batched``'s blocks as they are (:func:`joined`): the slices, and the join of them,
     are then never run. Where fusion gave the partitions a step run on each block
     (:meth:`picking`), their results are one a block and each task takes its own
     (``per_block``). (Plain data: the graph holds the layer, and the layer holds no
-    graph.)"""
+    graph; its tasks are made from what it says.)"""
 
     def __init__(
         self,
-        mapping: dict,
+        name: str,
         batched: str,
         chunks: tuple,
         meta: Any,
@@ -188,29 +194,23 @@ class CutBack(MaterializedLayer):
         blocks: tuple[int, ...],
         per_block: bool = False,
     ):
-        super().__init__(mapping)
+        super().__init__(_cut_tasks(name, batched, chunks, axis, k, blocks, per_block))
         self.batched, self.chunks, self.meta = batched, chunks, meta
         self.axis, self.k, self.blocks, self.per_block = axis, k, blocks, per_block
 
     def renamed(self, name: str, meta: Any) -> CutBack:
         """The same cut, its keys named ``name``, of a batched layer whose blocks are now
         like ``meta`` (the layer a step was taken into: the same name, the same grid)."""
-        mapping = {(name, *key[1:]): task for key, task in self.mapping.items()}
         return CutBack(
-            mapping, self.batched, self.chunks, meta, self.axis, self.k, self.blocks, self.per_block
+            name, self.batched, self.chunks, meta, self.axis, self.k, self.blocks, self.per_block
         )
 
     def picking(self, name: str) -> CutBack:
         """The cut of batches whose results are one a block (a tuple: a step was run on
         each block of a batch), its keys named ``name``: block ``j``'s task takes the
         ``j``-th of its batch's, where it sliced the batch."""
-        mapping = {}
-        for key in self.mapping:
-            j = key[1 + self.axis]
-            source = (self.batched, *key[1 : 1 + self.axis], j // self.k, *key[2 + self.axis :])
-            mapping[(name, *key[1:])] = (operator.getitem, source, j % self.k)
         return CutBack(
-            mapping, self.batched, self.chunks, self.meta, self.axis, self.k, self.blocks, True
+            name, self.batched, self.chunks, self.meta, self.axis, self.k, self.blocks, True
         )
 
     def batches(self, graph: HighLevelGraph) -> da.Array:
@@ -220,6 +220,32 @@ class CutBack(MaterializedLayer):
         )
 
 
+def _cut_tasks(
+    name: str,
+    batched: str,
+    chunks: tuple,
+    axis: int,
+    k: int,
+    blocks: tuple[int, ...],
+    per_block: bool,
+) -> dict:
+    """A :class:`CutBack`'s tasks: for each block, its slice of its batch's output (a view)
+    or, ``per_block``, the result of its own in its batch's tuple of them."""
+    grid = [len(blocks) if d == axis else len(c) for d, c in enumerate(chunks)]
+    offsets = [0] * len(blocks)  # where each block starts in its batch
+    for j in range(len(blocks)):
+        if j % k:
+            offsets[j] = offsets[j - 1] + blocks[j - 1]
+    dsk: dict = {}
+    for idx in np.ndindex(*grid):
+        j = idx[axis]
+        key = (name, *idx)
+        source = (batched, *idx[:axis], j // k, *idx[axis + 1 :])
+        what = j % k if per_block else along(axis, offsets[j], offsets[j] + blocks[j])
+        dsk[key] = keyed_task(key, operator.getitem, source, what, refs=(0,))
+    return dsk
+
+
 def unbatched(
     y: da.Array, axis: int, chunks: tuple[int, ...], k: int, name: str | None
 ) -> da.Array:
@@ -227,20 +253,9 @@ def unbatched(
     cut back into those blocks (named ``name``, if given): one slice task a block, a view
     of its batch's output. (Dask's ``rechunk`` makes the same cut with a copy a block.)"""
     name = name or "overlap-unbatch-" + tokenize(y.name, axis, chunks, k)
-    grid = [len(chunks) if d == axis else n for d, n in enumerate(y.numblocks)]
-    offsets = [0] * len(chunks)  # where each block starts in its batch
-    for j in range(len(chunks)):
-        if j % k:
-            offsets[j] = offsets[j - 1] + chunks[j - 1]
-    dsk: dict = {}
-    for idx in np.ndindex(*grid):
-        j = idx[axis]
-        lo = offsets[j]
-        source = (y.name, *idx[:axis], j // k, *idx[axis + 1 :])
-        dsk[(name, *idx)] = (operator.getitem, source, along(axis, lo, lo + chunks[j]))
     out_chunks = list(y.chunks)
     out_chunks[axis] = tuple(chunks)
-    layer = CutBack(dsk, y.name, y.chunks, y._meta, axis, k, tuple(chunks))
+    layer = CutBack(name, y.name, y.chunks, y._meta, axis, k, tuple(chunks))
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[y])
     return da.Array(graph, name, tuple(out_chunks), meta=y._meta)
 
@@ -262,15 +277,15 @@ def joined(arrays: Sequence[Any], positions: tuple[int, ...], ndim: int, axis: i
         starts = range(0, n, k)
         name = "overlap-batch-" + tokenize(x.name, ax, k)
         grid = [len(starts) if d == ax else nb for d, nb in enumerate(x.numblocks)]
-        dsk: dict = {}
+        gathers: dict = {}
         for idx in np.ndindex(*grid):
             first = idx[ax] * k
             keys = [(x.name, *idx[:ax], j, *idx[ax + 1 :]) for j in range(first, min(first + k, n))]
-            dsk[(name, *idx)] = (gather, ax, *(subs.get(key, key) for key in keys))
+            gathers[(name, *idx)] = [subs.get(key, key) for key in keys]
         chunks = list(x.chunks)
         chunks[ax] = tuple(sum(x.chunks[ax][s : s + k]) for s in starts)
         deps = {layer_of(t) for t in subs.values()} if subs else {x.name}
-        layer = Gathered(dsk, None if subs else x.name, ax, k)
+        layer = Gathered(gathers, None if subs else x.name, ax, k)
         graph = HighLevelGraph(
             {**x.dask.layers, name: layer},
             {**x.dask.dependencies, name: deps},

@@ -57,6 +57,7 @@ __all__ = [
     "alias_targets",
     "is_partition_template",
     "is_task_node",
+    "keyed_task",
     "kept_apart",
     "layer_of",
     "partition_layer",
@@ -323,6 +324,24 @@ def unfused_task(template: Any, key: str) -> Any:
     if _DaskTask is None or not isinstance(t, _DaskTask):  # pragma: no cover - another Dask
         return t
     return _UnfusedTask(key, t.func, *t.args, _data_producer=t.data_producer, **t.kwargs)
+
+
+def keyed_task(key: Any, func: Callable[..., Any], *args: Any, refs: Iterable[int] = ()) -> Any:
+    """The task ``key = func(*args)``, where the arguments at positions ``refs`` are keys
+    Dask computes first, as one of Dask's task objects: a graph of them needs no
+    conversion where Dask optimizes and schedules it (Dask's converter took about 1.2 ms
+    of a 4.5 ms optimization for 256 legacy slice tuples, on a 2-core CPU machine). A
+    legacy tuple on an older Dask.
+
+    >>> import operator
+    >>> t = keyed_task(("y", 0), operator.getitem, ("x", 0), 1, refs=(0,))
+    >>> t({("x", 0): [5, 6]})
+    6
+    """
+    at = set(refs)
+    if _DaskTask is None:  # pragma: no cover - an older Dask: its legacy spelling
+        return (func, *args)
+    return _DaskTask(key, func, *(TaskRef(a) if i in at else a for i, a in enumerate(args)))
 
 
 def is_task_node(value: Any) -> bool:
