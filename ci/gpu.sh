@@ -14,7 +14,8 @@
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
 # CLUSTER_SIZE, CLUSTER_REPEAT, CLUSTER_LIMIT; cross (needs distributed-ucxx for ucxx): CROSS_ARGS,
-# CROSS_LIMIT; small: SMALL_SIZES, SMALL_OUT, SMALL_BATCH, SMALL_TOP, SMALL_LIMIT;
+# CROSS_LIMIT; small: SMALL_SIZES, SMALL_OUT, SMALL_BATCH, SMALL_TOP, SMALL_PROFILE_SIZE,
+# SMALL_LIMIT;
 # tests: TESTS_LIMIT, TESTS_MARK, TESTS_PATHS; floor: FLOOR_PARTS, FLOOR_CASES,
 # FLOOR_REPEAT, and its py-spy run (GIL_SPY=0 skips it): GIL_CASE, GIL_PART, GIL_NATIVE,
 # GIL_RATE (samples a second: at 2000 py-spy fell a minute behind on the H200 host and
@@ -182,6 +183,7 @@ run_small() {
         log "small partitions, out=$out: ${SMALL_SIZES:-256MiB,16MiB,4MiB,1MiB,256KiB}"
         timeout "${SMALL_LIMIT:-240}" python3 benchmarks/diagnostics/small_partitions.py --direct-off --out "$out" \
             --sizes "${SMALL_SIZES:-256MiB,16MiB,4MiB,1MiB,256KiB}" --profile "${SMALL_TOP:-0}" \
+            --profile-size "${SMALL_PROFILE_SIZE:-16MiB}" \
             --batch "${SMALL_BATCH:-}" \
             --record "$OUT" 2>&1 | grep -v "Warning\|warn" \
             | grep -v "^  sub-chunk\|^  naive\|^  dask_overlap\|^  bound\|^backend=\|^  overlap/bound" \

@@ -153,7 +153,7 @@ def profile(partition: str, size: str, args: argparse.Namespace) -> None:
     """cProfile of one run on the synchronous scheduler (one thread, so that the profiler
     sees the tasks; the copy threads and stream waiters it does not)."""
     bench(["--backend", args.backend, "--workload", "balanced", "--pinned-input",
-           "--size", size, "--partition", partition, "--threads", "0"],
+           "--size", size, "--partition", partition, "--threads", "0", "--out", args.out],
           profile=args.profile)  # fmt: skip
 
 
