@@ -78,6 +78,37 @@ def test_small_blocks_are_joined_and_the_output_keeps_their_chunks(axis, batch_b
     assert len({id(b.base) for b in blocks}) == 3
 
 
+def optimized(y: da.Array) -> dict:
+    """The graph the scheduler is handed for ``y`` (Dask's optimization, ours installed)."""
+    return dict(y.__dask_optimize__(y.__dask_graph__(), y.__dask_keys__()))
+
+
+def test_persisted_blocks_go_into_their_gathers_and_leave_the_graph(batch_bytes):
+    """Blocks of data (a persisted array's) that only a batch's gather reads are put into
+    the gather: the scheduler is handed no key of theirs to order and keep."""
+    a = grid(120, 8)
+    (x,) = dask.persist(da.from_array(a, chunks=(10, 8)))  # 12 blocks of data
+    batch_bytes(4 * 640)
+    y = dask_overlap.map_blocks(lambda b: b * 2, x, split_axis=0, dtype=a.dtype)
+    graph = optimized(y)
+    assert not [k for k in graph if k[0] == x.name]
+    assert len(graph) == 3 + 3 + 12  # the gathers, the partitions, the cut
+    np.testing.assert_array_equal(y.compute(), a * 2)
+    np.testing.assert_array_equal(dask.persist(y, scheduler="sync")[0].compute(), a * 2)
+    # A block that another task reads as well, or that is asked for, stays a key.
+    both = da.concatenate([y, x[:10]])
+    assert [k for k in optimized(both) if k[0] == x.name] == [(x.name, 0, 0)]
+    np.testing.assert_array_equal(both.compute(), np.concatenate([a * 2, a[:10]]))
+
+
+def test_persisted_blocks_go_into_their_partitions_without_a_batch():
+    a = grid(120, 8)
+    (x,) = dask.persist(da.from_array(a, chunks=(10, 8)))
+    y = dask_overlap.map_blocks(lambda b: b + 1, x, split_axis=0, batch=1, dtype=a.dtype)
+    assert [k[0] for k in optimized(y)] == [y.name] * 12
+    np.testing.assert_array_equal(y.compute(), a + 1)
+
+
 def test_the_last_batch_is_short_and_blocks_may_differ_in_size(batch_bytes):
     a = grid(100, 8)
     x = da.from_array(a, chunks=((30, 10, 5, 25, 10, 20), (8,)))

@@ -44,10 +44,19 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.utils import funcname
 
 from ..config import Options
+from ..pipeline.pieces import gather
 from ..pipeline.program import Program
 from ..pipeline.task import PartitionTask
 from .batch import CutBack
-from .rewrite import kept_apart, layer_of, rerouted, retargeted, with_argument
+from .rewrite import (
+    inlined_data,
+    is_partition_template,
+    kept_apart,
+    layer_of,
+    rerouted,
+    retargeted,
+    with_argument,
+)
 from .steps import (
     argument_positions,
     elementwise,
@@ -179,11 +188,19 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
 
 def optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     """Dask's array optimization (or the one set before :func:`install`), after
-    :func:`fuse` and :func:`.rewrite.kept_apart`: what :func:`install` sets as
-    ``array_optimize``."""
+    :func:`fuse` and :func:`.rewrite.kept_apart`, then the blocks of data only a gather or
+    a partition reads put into it (:func:`.rewrite.inlined_data`): what :func:`install`
+    sets as ``array_optimize``."""
     if isinstance(dsk, HighLevelGraph):
         dsk = kept_apart(fuse(dsk, keys))
-    return (_previous or _dask_optimize)(dsk, keys, **kwargs)
+    dsk = (_previous or _dask_optimize)(dsk, keys, **kwargs)
+    return inlined_data(dsk, keys, _reads_blocks)
+
+
+def _reads_blocks(task: Any) -> bool:
+    """Whether ``task`` (one of Dask's task objects) is a batch's gather or a partition:
+    a task of this library's that reads blocks once (see :func:`.rewrite.inlined_data`)."""
+    return task.func is gather or is_partition_template(task)
 
 
 def _dask_optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:

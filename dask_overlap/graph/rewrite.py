@@ -12,6 +12,9 @@ layer the graph keeps; the layer Dask built is not changed:
   :func:`unfused_task`);
 - **alias layers are seen through** (:func:`skip_aliases`).
 
+And once Dask has optimized a graph, blocks of data that only a gather or a partition
+reads are put into that task (:func:`inlined_data`).
+
 This module is where dask_overlap touches Dask's private task objects
 (``dask._task_spec``) and the inside of a ``Blockwise`` layer (:func:`retargeted`, which
 fusion uses too): Dask offers no public way to keep a layer out of its fusions, to tell
@@ -43,20 +46,21 @@ from typing import Any
 
 import dask.array as da
 from dask.blockwise import Blockwise
-from dask.core import iskey, reverse_dict
+from dask.core import flatten, iskey, reverse_dict
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 try:  # Dask's task objects (2024.12 onwards): private, see the module docstring
-    from dask._task_spec import Alias, GraphNode, TaskRef
+    from dask._task_spec import Alias, DataNode, GraphNode, TaskRef
     from dask._task_spec import Task as _DaskTask
 except ImportError:  # pragma: no cover - an older Dask: aliases stay tasks, tasks fusable
-    Alias = GraphNode = TaskRef = _DaskTask = None
+    Alias = DataNode = GraphNode = TaskRef = _DaskTask = None
 
 __all__ = [
     "PARTITION_ANNOTATION",
     "alias_targets",
     "is_partition_template",
     "is_task_node",
+    "inlined_data",
     "keyed_task",
     "kept_apart",
     "layer_of",
@@ -342,6 +346,62 @@ def keyed_task(key: Any, func: Callable[..., Any], *args: Any, refs: Iterable[in
     if _DaskTask is None:  # pragma: no cover - an older Dask: its legacy spelling
         return (func, *args)
     return _DaskTask(key, func, *(TaskRef(a) if i in at else a for i, a in enumerate(args)))
+
+
+def inlined_data(dsk: Any, keys: Iterable[Any], reads: Callable[[Any], bool]) -> Any:
+    """``dsk`` (a graph Dask optimized, a dict of task objects) with each block of data in
+    it (a literal value: a persisted array's block) that only one task reads, a task that
+    ``reads`` says is one of this library's, put into that task and dropped as a key of
+    its own; ``dsk`` itself where there is none (or where it is not such a dict).
+
+    A gather of a batch reads its blocks once, and on Dask's threaded scheduler each key
+    costs its ordering and its place in the scheduler's state whether it is computed or
+    given: on the H100 machine's host, 256 blocks of 4 MiB took about 30 ms to order and
+    optimize, against a 1 GiB batch stage's 25 ms at the card's bound. Inlined, the graph
+    a ``batch="auto"`` stage over them hands the scheduler has half the keys (on the
+    2-core CPU machine, ordering went from 6.1 to 2.4 ms and the persist from 20.8 to
+    16.5). A value that several tasks read, or that is asked for (``keys``), stays a key.
+
+    >>> import operator
+    >>> g = {"a": DataNode("a", 5), "b": keyed_task("b", operator.neg, "a", refs=(0,))}
+    >>> out = inlined_data(g, ["b"], lambda t: True)
+    >>> sorted(out), out["b"]({})
+    (['b'], -5)
+    """
+    if DataNode is None or not isinstance(dsk, dict):
+        return dsk
+    ours = [k for k, t in dsk.items() if isinstance(t, _DaskTask) and reads(t)]
+    if not ours:
+        return dsk
+    readers: dict[Any, int] = {}
+    for t in dsk.values():
+        for dep in t.dependencies:
+            readers[dep] = readers.get(dep, 0) + 1
+    asked = set(flatten(keys)) if not isinstance(keys, (set, frozenset)) else keys
+    out = None
+    for key in ours:
+        t = dsk[key]
+        subs = {
+            dep: dsk[dep]
+            for dep in t.dependencies
+            if readers.get(dep) == 1 and dep not in asked and _plain_data(dsk.get(dep))
+        }
+        if subs:
+            if out is None:
+                out = dict(dsk)
+            out[key] = t.substitute(subs)
+            for dep in subs:
+                del out[dep]
+    return dsk if out is None else out
+
+
+def _plain_data(node: Any) -> bool:
+    """Whether ``node`` is a block of data held in the graph, not a future (a cluster's
+    result that a scheduler resolves by its key)."""
+    if type(node) is not DataNode:
+        return False
+    value = node.value
+    return not isinstance(value, TaskRef) and not getattr(value, "__dask_future__", False)
 
 
 def is_task_node(value: Any) -> bool:
