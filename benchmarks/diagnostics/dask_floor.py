@@ -11,9 +11,10 @@ its partition's task. Each line is the best of ``--repeat`` ``dask.threaded.get`
 floor under a small-block stage, whatever the partitions do.
 
 On the 2-core CPU machine (2026-12-06): 46-50 us a block with the slices, 14 without.
-On the H100 machine's host the same day: 126 with tuples, 106 with task objects, 99 with
-the gathers inside the partitions, 29 without the slices; a 4 MiB block moves in about
-100 us at that card's bound.
+On the H100 machine's host the same day, in two calls: 126 and 75 with tuples, 106 and
+65 with task objects, 99 and 65 with the gathers inside the partitions, 29 and 17 without
+the slices (``benchmarks/results/small-blocks.txt``); a 4 MiB block moves in about 100 us
+at that card's bound.
 
 Run anywhere: ``python3 benchmarks/diagnostics/dask_floor.py``.
 """

@@ -11,6 +11,9 @@ threshold's best GB/s and the median ratio of run pairs to the first threshold; 
 ``--profile N``, the top N functions of the first case's runs on the synchronous
 scheduler (every partition then runs on the profiled thread), by own and by total time.
 
+On an H100 (2026-12-06, ``benchmarks/results/small-blocks.txt``) 128 MiB against 32 was
+not faster: median pair 1.009 with 4 MiB blocks, 0.895 with 16 MiB; the threshold stayed.
+
 Run on the device: ``python3 benchmarks/diagnostics/timing_threshold.py``.
 """
 
