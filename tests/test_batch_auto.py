@@ -101,6 +101,21 @@ def test_persisted_blocks_go_into_their_gathers_and_leave_the_graph(batch_bytes)
     np.testing.assert_array_equal(both.compute(), np.concatenate([a * 2, a[:10]]))
 
 
+def test_a_graph_of_legacy_tuples_is_left_as_it_is():
+    """An array optimization set before dask_overlap's may hand back legacy tuples: they
+    are not task objects, so nothing is put into anything."""
+    from dask._task_spec import DataNode
+
+    from dask_overlap.graph.rewrite import inlined_data, keyed_task
+
+    g = {
+        "a": DataNode("a", np.ones(2)),
+        "b": keyed_task("b", np.negative, "a", refs=(0,)),
+        "c": (np.negative, "a"),
+    }
+    assert inlined_data(g, ["b", "c"], lambda t: True) is g
+
+
 def test_persisted_blocks_go_into_their_partitions_without_a_batch():
     a = grid(120, 8)
     (x,) = dask.persist(da.from_array(a, chunks=(10, 8)))

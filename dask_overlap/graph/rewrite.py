@@ -371,8 +371,8 @@ def inlined_data(dsk: Any, keys: Iterable[Any], reads: Callable[[Any], bool]) ->
     if DataNode is None or not isinstance(dsk, dict):
         return dsk
     ours = [k for k, t in dsk.items() if isinstance(t, _DaskTask) and reads(t)]
-    if not ours:
-        return dsk
+    if not ours or not all(isinstance(t, GraphNode) for t in dsk.values()):
+        return dsk  # (legacy tuples: an optimization set before ours left them)
     readers: dict[Any, int] = {}
     for t in dsk.values():
         for dep in t.dependencies:
