@@ -59,6 +59,7 @@ says what each case took. Example (the GPU; a smoke test on the CPU)::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -78,6 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     COLS,
     GB,
+    GcPauses,
     add_backend,
     add_output,
     add_repeat,
@@ -415,10 +417,14 @@ def pinned_runs(
         runs = []
         for t in threads:
             warm_up(arr, scheduler="threads", num_workers=t)
+            if args.gc_freeze:
+                gc.collect()
+                gc.freeze()
             for _ in range(repeat):
                 got = None  # the last run's results leave the pool first
                 cpu0 = time.process_time()
-                seconds, got = persist_chunks(arr, scheduler="threads", num_workers=t)
+                with GcPauses() as pauses:
+                    seconds, got = persist_chunks(arr, scheduler="threads", num_workers=t)
                 cpu = time.process_time() - cpu0
                 runs.append(
                     {
@@ -427,6 +433,7 @@ def pinned_runs(
                         "ratio": bound_s / seconds,
                         "host_us_per_partition": cpu / x.numblocks[0] * 1e6,
                         "correct": same_chunks(ref, got),
+                        "gc": pauses.summary(),
                     }
                 )
             del got
@@ -556,6 +563,12 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         type=positive,
         default=None,
         help="threads of the demo's worker (default: LocalGPUCluster's)",
+    )
+    p.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="the pinned-input cases: gc.freeze() after the warm-up (a diagnostic: whether "
+        "the cyclic collector's passes make the slow runs)",
     )
     p.add_argument("--hand-in-flight", default="8", help="hand-written: chunks in flight")
     p.add_argument("--hand-threads", default="16", help="hand-written: copy threads")

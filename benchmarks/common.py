@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import pstats
@@ -589,6 +590,43 @@ def gaussian_case(nbytes: int, rows_per_part: int, repeat: int = 2) -> dict[str,
 
 
 # -- timing and correctness --------------------------------------------------------------
+
+
+class GcPauses:
+    """The cyclic garbage collector's passes while it is on (a context manager): how many
+    of each generation and the seconds they held the GIL. A pass stops every Python
+    thread, the ones that feed the GPU included; a slow run with as much more CPU time
+    as wall time points here.
+
+    Examples
+    --------
+    >>> with GcPauses() as pauses:
+    ...     _ = gc.collect()
+    >>> pauses.summary()["passes"][2]
+    1
+    """
+
+    def __init__(self) -> None:
+        self.passes = [0, 0, 0]
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.passes[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        return {"passes": list(self.passes), "ms": self.seconds * 1e3}
 
 
 def persist_timed(arr: da.Array, client: Any = None, **persist_kw: Any) -> tuple[float, Any]:
