@@ -59,7 +59,6 @@ says what each case took. Example (the GPU; a smoke test on the CPU)::
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -417,9 +416,6 @@ def pinned_runs(
         runs = []
         for t in threads:
             warm_up(arr, scheduler="threads", num_workers=t)
-            if args.gc_freeze:
-                gc.collect()
-                gc.freeze()
             for _ in range(repeat):
                 got = None  # the last run's results leave the pool first
                 cpu0 = time.process_time()
@@ -563,12 +559,6 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         type=positive,
         default=None,
         help="threads of the demo's worker (default: LocalGPUCluster's)",
-    )
-    p.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="the pinned-input cases: gc.freeze() after the warm-up (a diagnostic: whether "
-        "the cyclic collector's passes make the slow runs)",
     )
     p.add_argument("--hand-in-flight", default="8", help="hand-written: chunks in flight")
     p.add_argument("--hand-threads", default="16", help="hand-written: copy threads")

@@ -153,6 +153,7 @@ class Options:
     device_pool_size: int
     device_memory_resource: str
     cpu_affinity: bool  # GPU workers keep to their GPU's cores: see cluster.affinity
+    freeze_heap: bool  # gc.freeze() when a process's first runtime is built
     pinned_serialize: bool  # CuPy over TCP through the pinned pool: see cluster.serialize
     stall_timeout: float  # seconds without a completion before a partition fails
     fuse: bool  # neighbouring steps run in the partition: see graph.fusion
@@ -200,6 +201,7 @@ class Options:
                 "device_memory_resource", get("device_memory_resource"), DEVICE_MEMORY_RESOURCES
             ),
             cpu_affinity=_check_bool("cpu_affinity", get("cpu_affinity")),
+            freeze_heap=_check_bool("freeze_heap", get("freeze_heap")),
             pinned_serialize=_check_bool("pinned_serialize", get("pinned_serialize")),
             stall_timeout=_check_seconds("stall_timeout", get("stall_timeout")),
             fuse=_check_bool("fuse", get("fuse")),

@@ -578,3 +578,45 @@ def test_which_partitions_auto_sizes_as_unstaged():
     assert staged(pinned[:, ::2])  # pinned, but not C-contiguous
     assert staged(np.empty((0, 8)))  # no bytes at all: the staged sizing
     assert staged(object.__new__(PinnedBlocks))  # a batch's blocks
+
+
+FREEZE_PROBE = """
+import gc, sys
+import dask
+import dask_overlap
+setting = sys.argv[1] == "on"
+
+def seen(obj):  # the collector's passes walk it (gc.get_objects leaves frozen ones out)
+    return any(o is obj for o in gc.get_objects())
+
+made_before = [[]]
+with dask.config.set({"overlap.freeze-heap": setting}):
+    print(gc.get_freeze_count())
+    dask_overlap.get_runtime("host")
+    print(gc.get_freeze_count(), seen(made_before))
+    made_after = [[]]
+    dask_overlap.close_runtimes()
+    dask_overlap.get_runtime("host")  # a second runtime does not freeze again
+    print(seen(made_after), gc.collect() >= 0)
+"""
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_the_first_runtime_freezes_the_heap_once_unless_told_not_to(setting: str) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", FREEZE_PROBE, setting],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    assert out[0] == "0"
+    if setting == "on":
+        assert int(out[1]) > 1000  # the imported modules at least
+        assert out[2] == "False"  # what was alive is out of the passes
+    else:
+        assert out[1:3] == ["0", "True"]
+    assert out[3:] == ["True", "True"]  # what came later is collected as before
