@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -603,9 +605,6 @@ with dask.config.set({"overlap.freeze-heap": setting}):
 
 @pytest.mark.parametrize("setting", ["on", "off"])
 def test_the_first_runtime_freezes_the_heap_once_unless_told_not_to(setting: str) -> None:
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-c", FREEZE_PROBE, setting],
         capture_output=True,

@@ -37,11 +37,11 @@ from .stats import Counters
 
 __all__ = [
     "DIRECT_BYTES_AUTO",
-    "freeze_heap_once",
     "EVERY_SUB_CHUNK",
     "Runtime",
     "Span",
     "close_runtimes",
+    "freeze_heap_once",
     "idle_stats",
     "process_runtime",
     "process_runtimes",
@@ -118,9 +118,11 @@ def freeze_heap_once() -> bool:
     cycles that a frozen heap keeps alive (a cluster's scheduler then logged a cancelled
     feed at close).
     """
+    # distributed has no public "is a scheduler or worker running here": its classes'
+    # weak sets of live instances (empty when a later version drops them: we freeze).
     for module, name in (("distributed.scheduler", "Scheduler"), ("distributed.worker", "Worker")):
         loaded = sys.modules.get(module)
-        if loaded is not None and len(getattr(loaded, name)._instances):
+        if loaded is not None and len(getattr(getattr(loaded, name), "_instances", ())):
             return False
     if not _frozen.acquire(blocking=False):
         return False
