@@ -612,10 +612,10 @@ def test_the_first_runtime_freezes_the_heap_once_unless_told_not_to(setting: str
         timeout=120,
         check=True,
     ).stdout.split()
-    assert out[0] == "0"
+    frozen_at_start = int(out[0])  # 0 here; 375 on the GPU machine's Python 3.12
     if setting == "on":
-        assert int(out[1]) > 1000  # the imported modules at least
+        assert int(out[1]) > frozen_at_start + 1000  # the imported modules at least
         assert out[2] == "False"  # what was alive is out of the passes
     else:
-        assert out[1:3] == ["0", "True"]
+        assert out[1:3] == [out[0], "True"]
     assert out[3:] == ["True", "True"]  # what came later is collected as before
