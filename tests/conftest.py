@@ -16,6 +16,7 @@ import pytest
 from support import pinned_in_use_once_collected, wait_until_idle  # noqa: F401
 
 import dask_overlap
+from dask_overlap import backends
 
 
 @functools.cache
@@ -72,13 +73,24 @@ def as_on_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def fresh_runtime() -> Iterator[None]:
+def fresh_runtime(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
     """Close this process's runtimes around each test.
 
     A runtime reads ``overlap.*`` once, when it is built on first use; closing them
     makes the next partition task build one from the config the test has set. The
     threaded scheduler is the default here; tests that want a cluster start their own.
+
+    A test not marked ``gpu`` is a test of a machine with no GPU (``backend: auto`` is the
+    host backend there, ``LocalGPUCluster(allow_cpu=True)`` starts CPU workers): where a
+    GPU is visible it is shown none, in this process (:func:`.backends.gpu_available`)
+    and in the processes it starts (``CUDA_VISIBLE_DEVICES`` empty), so that the README's
+    test command passes on a GPU machine too.
     """
+    if request.node.get_closest_marker("gpu") is None and _why_no_gpu() is None:
+        monkeypatch.setattr(backends, "gpu_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     dask_overlap.close_runtimes()
     with dask.config.set(scheduler="threads"):
         yield

@@ -1,0 +1,123 @@
+"""Where the demo's cluster loses against the same partitions on the threaded scheduler.
+
+Issue 31's demo row (``bench_limits.py --cases demo``) sets a ``LocalGPUCluster`` of one
+worker against the threaded scheduler in one process, on the demo's partitions and
+kernel. This runs the threaded reference, then clusters that differ from the demo's in
+one thing each (``--variants``):
+
+- ``as-is``: the demo's cluster;
+- ``no-profiler``: distributed's statistical profiler off
+  (``distributed.worker.profile.enabled``: it samples every thread's stack every 10 ms,
+  holding the GIL);
+- ``threads16``: 16 threads a worker, as many as the threaded scheduler's default;
+- ``frozen``: ``gc.freeze()`` in the worker once the input is made (the library leaves
+  worker processes alone: :func:`dask_overlap.pipeline.runtime.freeze_heap_once`).
+
+Each variant's runs are printed one by one, with the collector's passes in the worker
+during them (``common.GcPauses``), so that a slow run can be told from a slow variant.
+Figures are GB/s of input; ratios are to the best threaded run of this call.
+
+Run: ``python3 benchmarks/diagnostics/demo_gap.py --size 4GiB --repeat 5``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import dask
+import dask.array as da
+from distributed import Client, wait
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_limits  # noqa: E402
+from common import GB, GcPauses, byte_count, comma_list, persist_timed  # noqa: E402
+
+import dask_overlap  # noqa: E402
+from dask_overlap.demo import scale_shift  # noqa: E402
+
+VARIANTS = ("as-is", "no-profiler", "threads16", "frozen")
+
+
+def _gc_watch_start() -> None:
+    """(On the worker) count the collector's passes from now on. (This module is pickled
+    by value, globals included: the counter is found again in ``gc.callbacks``.)"""
+    GcPauses().__enter__()
+
+
+def _gc_watch_stop() -> dict:
+    """(On the worker) the passes since :func:`_gc_watch_start`."""
+    (callback,) = [c for c in gc.callbacks if hasattr(getattr(c, "__self__", None), "summary")]
+    pauses = callback.__self__
+    pauses.__exit__(None, None, None)
+    return pauses.summary()
+
+
+def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> list[dict]:
+    config = {"distributed.worker.profile.enabled": variant != "no-profiler"}
+    threads = 16 if variant == "threads16" else None  # None: the demo's default
+    runs = []
+    with (
+        dask.config.set(config),
+        dask_overlap.LocalGPUCluster(
+            allow_cpu=True, dashboard_address=":0", threads_per_worker=threads
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        x = client.persist(bench_limits.demo_input(rows, rows_per_part))
+        wait(x)
+        if variant == "frozen":
+            client.run(gc.freeze)
+        warm = 2 * rows_per_part
+
+        def run_of(i: int) -> da.Array:
+            return dask_overlap.map_blocks(
+                scale_shift, x, split_axis=0, token=f"gap-{variant}-{i}", **bench_limits.DEMO_KERNEL
+            )
+
+        wait(client.persist(run_of(0)[:warm]))
+        for i in range(repeat):
+            client.run(_gc_watch_start)
+            t0 = time.process_time()
+            seconds, done = persist_timed(run_of(i + 1), client)
+            gcs = list(client.run(_gc_watch_stop).values())[0]
+            del done
+            runs.append({"seconds": seconds, "gc": gcs, "client_cpu_s": time.process_time() - t0})
+        if variant == "frozen":
+            client.run(gc.unfreeze)
+    return runs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=byte_count, default="4GiB")
+    p.add_argument("--partition", type=byte_count, default="256MiB")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--variants", type=lambda t: comma_list(t, str), default=",".join(VARIANTS))
+    p.add_argument("--backend", default="auto")
+    args = p.parse_args()
+    rows, rows_per_part = bench_limits.rows_of(args.size), bench_limits.rows_of(args.partition)
+    nbytes = rows * bench_limits.COLS * 4
+    repeat = args.repeat
+    threaded = bench_limits.demo_threaded(args, rows, rows_per_part)[0]
+    print(f"threaded scheduler, best of {repeat}: {threaded:.2f} GB/s")
+    for variant in args.variants:
+        if variant not in VARIANTS:
+            raise SystemExit(f"--variants: one of {', '.join(VARIANTS)} expected; got {variant!r}")
+        runs = run_variant(variant, rows, rows_per_part, repeat)
+        each = [nbytes / r["seconds"] / GB for r in runs]
+        print(
+            f"{variant:12s} best {max(each):6.2f} GB/s ({max(each) / threaded:.3f} of threaded)"
+            f" | each: {' '.join(f'{g:.2f}' for g in each)}"
+        )
+        for r, g in zip(runs, each, strict=True):
+            print(f"    {g:6.2f} GB/s  worker gc passes {r['gc']['passes']} {r['gc']['ms']:.1f} ms")
+    threaded_after = bench_limits.demo_threaded(args, rows, rows_per_part)[0]
+    print(f"threaded scheduler again: {threaded_after:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
