@@ -236,6 +236,49 @@ def test_install_and_prometheus_collector() -> None:
     assert len(ours) == 1 and isinstance(ours[0], PrometheusCollector)
 
 
+def test_install_and_uninstall_while_a_heartbeat_awaits_a_metric() -> None:
+    """Where RMM is installed, distributed adds an awaitable ``rmm`` metric (``gpu`` with
+    NVML), and a heartbeat awaits it in the middle of iterating ``Worker.metrics``: the
+    plugin's setup or teardown then (a plugin registered on a running cluster, a worker
+    closing) must not change that dict under it. It did: "dictionary changed size during
+    iteration" closed an H100 machine's worker. Here a metric of the same kind stands in."""
+    import asyncio
+
+    from distributed import Scheduler, Worker
+
+    rt = dask_overlap.get_runtime("host")
+
+    async def main() -> list[dict[str, Any]]:
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def awaited(worker: Any) -> str:  # as distributed's rmm_metric
+            started.set()
+            await release.wait()
+            return "done"
+
+        got = []
+        async with (
+            Scheduler(dashboard_address=":0") as s,
+            Worker(s.address, nthreads=1) as w,
+        ):
+            for change in (install_worker_metrics, uninstall_worker_metrics):
+                w.metrics = {"awaited": awaited, **w.metrics, "after": lambda worker: 1}
+                started.clear()
+                release.clear()
+                pending = asyncio.ensure_future(w.get_metrics())
+                await asyncio.wait_for(started.wait(), 10)
+                change(w, rt) if change is install_worker_metrics else change(w)
+                release.set()
+                got.append(await asyncio.wait_for(pending, 10))
+            assert METRICS_NAME not in w.metrics
+        return got
+
+    during_install, during_uninstall = asyncio.run(main())
+    # Each heartbeat reports the metrics there were when it began.
+    assert during_install["awaited"] == "done" and METRICS_NAME not in during_install
+    assert during_uninstall["after"] == 1 and METRICS_NAME in during_uninstall
+
+
 # -- on a real cluster ----------------------------------------------------------------
 #: Worker processes whose own HTTP servers (their /metrics) are up, on free ports.
 WITH_WORKER_DASHBOARDS = dict(

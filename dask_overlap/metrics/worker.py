@@ -175,13 +175,17 @@ def install_worker_metrics(worker: Worker, rt: Runtime) -> None:
     def handler(seconds: float = 10.0, limit: int = TIMELINE_LIMIT) -> dict[str, Any]:
         return detail(rt, float(seconds), int(limit), transfers=transfers())
 
-    worker.metrics[METRICS_NAME] = entry
+    # A new dict, never a change of the one there: a heartbeat that is iterating it stays
+    # on the old one. Where RMM is installed, distributed awaits its own ``rmm`` (and
+    # ``gpu``) metric in the middle of that iteration, and a key added or taken then
+    # raised "dictionary changed size during iteration" and closed the worker.
+    worker.metrics = {**worker.metrics, METRICS_NAME: entry}
     worker.handlers[TIMELINE_HANDLER] = handler
     prometheus.report(str(worker.address), rt)
 
 
 def uninstall_worker_metrics(worker: Worker) -> None:
     """Undo :func:`install_worker_metrics` (the collector stays, reporting the others)."""
-    worker.metrics.pop(METRICS_NAME, None)
+    worker.metrics = {k: v for k, v in worker.metrics.items() if k != METRICS_NAME}
     worker.handlers.pop(TIMELINE_HANDLER, None)
     prometheus.forget(str(worker.address))
