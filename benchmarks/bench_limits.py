@@ -77,6 +77,7 @@ from dask_overlap.backends import resolve_backend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     COLS,
+    DEMO_KERNEL,
     GB,
     GcPauses,
     add_backend,
@@ -86,7 +87,10 @@ from common import (  # noqa: E402
     bound_seconds,
     byte_count,
     comma_list,
+    demo_input,
+    demo_threaded,
     device_name,
+    equals_plain_dask,
     gaussian_case,
     handwritten_runs,
     make_kernel,
@@ -109,8 +113,6 @@ from common import (  # noqa: E402
 BENCHMARK = "limits"
 #: A plane of the 3-D volume: 512 x 512 float32, 1 MiB.
 PLANE = (512, 512)
-#: The demo's kernel (dask_overlap/demo.py: scale_shift with its default rounds).
-DEMO_KERNEL = {"scale": 2.5, "shift": 1.0, "rounds": 2}
 THREADED = {"scheduler": "threads"}
 
 
@@ -297,38 +299,6 @@ def case_gaussian3d(args: argparse.Namespace) -> dict[str, dict]:
 # -- the demo ----------------------------------------------------------------------------
 
 
-def demo_input(rows: int, rows_per_part: int) -> da.Array:
-    """The demo's input: the same values wherever it is made."""
-    return da.random.default_rng(42).random(
-        (rows, COLS), chunks=(rows_per_part, COLS), dtype=np.float32
-    )
-
-
-def equals_plain_dask(done: da.Array, x: da.Array, gpu: bool) -> bool:
-    """The demo's check: ``done`` against ``dask.array.map_blocks`` of its kernel on NumPy
-    blocks (on the GPU, to an ulp: CuPy may round differently)."""
-    from dask_overlap.demo import scale_shift
-
-    reference = da.map_blocks(scale_shift, x, **DEMO_KERNEL)
-    return bool(da.allclose(done, reference, rtol=1e-6 if gpu else 0, atol=0).compute())
-
-
-def demo_threaded(args: argparse.Namespace, rows: int, rows_per_part: int) -> tuple[float, bool]:
-    """The demo's partitions on the default path in this process: GB/s and the check."""
-    from dask_overlap.demo import scale_shift
-
-    rt = dask_overlap.get_runtime(args.backend)  # no overlap.* setting
-    (x,) = dask.persist(demo_input(rows, rows_per_part), **THREADED)
-    arr = dask_overlap.map_blocks(scale_shift, x, split_axis=0, **DEMO_KERNEL)
-    warm_up(arr, **THREADED)
-    seconds, done = float("inf"), None
-    for _ in range(args.repeat):
-        done = None  # the last run's result goes before the next run
-        s, done = persist_timed(arr, **THREADED)
-        seconds = min(seconds, s)
-    return rows * COLS * 4 / seconds / GB, equals_plain_dask(done, x, rt.name == "cuda")
-
-
 def case_demo(args: argparse.Namespace) -> dict[str, dict]:
     """The demo's LocalGPUCluster run against the same partitions on the threaded scheduler."""
     from distributed import Client, wait
@@ -337,7 +307,7 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
 
     rows, rows_per_part = rows_of(args.size), rows_of(args.partition)
     nbytes = rows * COLS * 4
-    threaded_gbps, threaded_ok = demo_threaded(args, rows, rows_per_part)
+    threaded_gbps, threaded_ok = demo_threaded(args.backend, args.repeat, rows, rows_per_part)
     with (
         dask_overlap.LocalGPUCluster(
             allow_cpu=True, dashboard_address=":0", threads_per_worker=args.demo_threads

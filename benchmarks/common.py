@@ -641,6 +641,45 @@ def persist_timed(arr: da.Array, client: Any = None, **persist_kw: Any) -> tuple
     return time.perf_counter() - t0, done
 
 
+# -- the demo's partitions (bench_limits.py's demo row, diagnostics/demo_gap.py) ----------
+
+#: The demo's kernel (dask_overlap/demo.py: scale_shift with its default rounds).
+DEMO_KERNEL = {"scale": 2.5, "shift": 1.0, "rounds": 2}
+
+
+def demo_input(rows: int, rows_per_part: int) -> da.Array:
+    """The demo's input: the same values wherever it is made."""
+    return da.random.default_rng(42).random(
+        (rows, COLS), chunks=(rows_per_part, COLS), dtype=np.float32
+    )
+
+
+def equals_plain_dask(done: da.Array, x: da.Array, gpu: bool) -> bool:
+    """The demo's check: ``done`` against ``dask.array.map_blocks`` of its kernel on NumPy
+    blocks (on the GPU, to an ulp: CuPy may round differently)."""
+    from dask_overlap.demo import scale_shift
+
+    reference = da.map_blocks(scale_shift, x, **DEMO_KERNEL)
+    return bool(da.allclose(done, reference, rtol=1e-6 if gpu else 0, atol=0).compute())
+
+
+def demo_threaded(backend: str, repeat: int, rows: int, rows_per_part: int) -> tuple[float, bool]:
+    """The demo's partitions on the default path in this process (threaded scheduler, no
+    ``overlap.*`` setting), the best of ``repeat`` runs: GB/s and the check."""
+    from dask_overlap.demo import scale_shift
+
+    rt = dask_overlap.get_runtime(backend)
+    (x,) = dask.persist(demo_input(rows, rows_per_part), scheduler="threads")
+    arr = dask_overlap.map_blocks(scale_shift, x, split_axis=0, **DEMO_KERNEL)
+    warm_up(arr, scheduler="threads")
+    seconds, done = float("inf"), None
+    for _ in range(repeat):
+        done = None  # the last run's result goes before the next run
+        s, done = persist_timed(arr, scheduler="threads")
+        seconds = min(seconds, s)
+    return rows * COLS * 4 / seconds / GB, equals_plain_dask(done, x, rt.name == "cuda")
+
+
 def persist_chunks(arr: da.Array, **persist_kw: Any) -> tuple[float, list[np.ndarray]]:
     """:func:`persist_timed` on a local scheduler, and the chunks (in block order)."""
     seconds, done = persist_timed(arr, **persist_kw)

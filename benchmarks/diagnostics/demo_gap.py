@@ -33,8 +33,17 @@ import dask.array as da
 from distributed import Client, wait
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench_limits  # noqa: E402
-from common import GB, GcPauses, byte_count, comma_list, persist_timed  # noqa: E402
+from common import (  # noqa: E402
+    COLS,
+    DEMO_KERNEL,
+    GB,
+    GcPauses,
+    byte_count,
+    comma_list,
+    demo_input,
+    demo_threaded,
+    persist_timed,
+)
 
 import dask_overlap  # noqa: E402
 from dask_overlap.demo import scale_shift  # noqa: E402
@@ -67,7 +76,7 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
         ) as cluster,
         Client(cluster) as client,
     ):
-        x = client.persist(bench_limits.demo_input(rows, rows_per_part))
+        x = client.persist(demo_input(rows, rows_per_part))
         wait(x)
         if variant == "frozen":
             client.run(gc.freeze)
@@ -75,7 +84,7 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
 
         def run_of(i: int) -> da.Array:
             return dask_overlap.map_blocks(
-                scale_shift, x, split_axis=0, token=f"gap-{variant}-{i}", **bench_limits.DEMO_KERNEL
+                scale_shift, x, split_axis=0, token=f"gap-{variant}-{i}", **DEMO_KERNEL
             )
 
         wait(client.persist(run_of(0)[:warm]))
@@ -99,10 +108,10 @@ def main() -> None:
     p.add_argument("--variants", type=lambda t: comma_list(t, str), default=",".join(VARIANTS))
     p.add_argument("--backend", default="auto")
     args = p.parse_args()
-    rows, rows_per_part = bench_limits.rows_of(args.size), bench_limits.rows_of(args.partition)
-    nbytes = rows * bench_limits.COLS * 4
+    rows, rows_per_part = args.size // (4 * COLS), args.partition // (4 * COLS)
+    nbytes = rows * COLS * 4
     repeat = args.repeat
-    threaded = bench_limits.demo_threaded(args, rows, rows_per_part)[0]
+    threaded = demo_threaded(args.backend, repeat, rows, rows_per_part)[0]
     print(f"threaded scheduler, best of {repeat}: {threaded:.2f} GB/s")
     for variant in args.variants:
         if variant not in VARIANTS:
@@ -115,7 +124,7 @@ def main() -> None:
         )
         for r, g in zip(runs, each, strict=True):
             print(f"    {g:6.2f} GB/s  worker gc passes {r['gc']['passes']} {r['gc']['ms']:.1f} ms")
-    threaded_after = bench_limits.demo_threaded(args, rows, rows_per_part)[0]
+    threaded_after = demo_threaded(args.backend, repeat, rows, rows_per_part)[0]
     print(f"threaded scheduler again: {threaded_after:.2f} GB/s")
 
 
