@@ -27,6 +27,7 @@ import dask.array as da
 import numpy as np
 
 import dask_overlap
+from dask_overlap.backends import resolve_backend
 from dask_overlap.graph.batch import PEAK_MULTIPLE, auto_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,8 +40,12 @@ def f(b: Any) -> Any:
     return b * 2 + 1
 
 
-def _device_peak(run: Any) -> int | None:
-    """``run()``'s peak device pool bytes, where RMM can tell (else ``None``)."""
+def _device_peak(run: Any, on_device: bool) -> int | None:
+    """``run()``'s peak device pool bytes, where the partitions run on the device and RMM
+    can tell (else ``None``, and ``run`` is not called: RMM installed on a machine that
+    shows no GPU raises as soon as it is asked)."""
+    if not on_device:
+        return None
     try:
         import rmm.statistics
     except ImportError:
@@ -51,7 +56,7 @@ def _device_peak(run: Any) -> int | None:
     return None if stats is None else int(stats.peak_bytes)
 
 
-def peak(y: da.Array, partitions: int) -> dict[str, float]:
+def peak(y: da.Array, partitions: int, on_device: bool) -> dict[str, float]:
     """Host bytes ``y``'s persist allocated at its peak beyond what it keeps, plus one
     partition's output: the peak of one partition (the synchronous scheduler runs them
     one at a time); and the device pool's peak where there is one."""
@@ -60,7 +65,7 @@ def peak(y: da.Array, partitions: int) -> dict[str, float]:
     tracemalloc.reset_peak()
     start = tracemalloc.get_traced_memory()[0]
     kept: list[Any] = []
-    device = _device_peak(lambda: kept.extend(dask.persist(y, scheduler="sync")))
+    device = _device_peak(lambda: kept.extend(dask.persist(y, scheduler="sync")), on_device)
     if device is None and not kept:
         kept.extend(dask.persist(y, scheduler="sync"))
     now, top = tracemalloc.get_traced_memory()
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_output(p)
     args = p.parse_args(argv)
     dask.config.set({"overlap.backend": args.backend})
+    on_device = resolve_backend(args.backend) == "cuda"
     cols = 256
     rows = max(1, args.block // (4 * cols))
     n = max(1, args.size // (rows * cols * 4))
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     dask.persist(*(y[:rows] for y, _, _ in parts.values()), scheduler="sync")  # warm-up
     result: dict[str, Any] = {"backend": args.backend, "block_bytes": block, "auto_batch": k}
     for name, (y, partitions, nbytes) in parts.items():
-        got = peak(y, partitions)
+        got = peak(y, partitions, on_device)
         result[f"{name}_partition_bytes"] = nbytes
         result[f"{name}_host_peak_bytes"] = got["host"]
         result[f"{name}_host_peak_ratio"] = got["host"] / nbytes

@@ -7,6 +7,7 @@ hands to a cluster may use it.
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import os
 import re
 import signal
@@ -17,10 +18,30 @@ from typing import Any
 
 import dask
 import numpy as np
+import pytest
 from distributed.utils_test import poll_for
 
 import dask_overlap
 from dask_overlap import OverlapPlugin
+
+
+def _installed() -> bool:
+    try:
+        importlib.metadata.distribution("dask_overlap")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+#: For tests that run ``python -m dask overlap``: dask finds that command through the
+#: package's ``dask_cli`` entry point, which only an installed package has. The README's
+#: test command installs it; the GPU machine's runs put the checkout on ``PYTHONPATH``
+#: instead (../shared/gpu/README.md). An installed package without the command fails them.
+needs_install = pytest.mark.skipif(
+    not _installed(),
+    reason="dask_overlap is not installed (its dask_cli entry point makes `dask overlap`): "
+    "pip install -e .",
+)
 
 
 # -- bounded waits ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from distributed import Client, LocalCluster
-from support import poll, without_shutdown_noise
+from support import needs_install, poll, without_shutdown_noise
 
 import dask_overlap
 from dask_overlap import Options, OverlapPlugin, runtime_stats
@@ -44,6 +44,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
+@needs_install
 def test_dask_overlap_help_through_the_dask_command() -> None:
     top = run("-m", "dask", "overlap", "--help")
     assert top.returncode == 0, top.stderr
@@ -83,6 +84,7 @@ def test_demo_hands_every_argument_to_the_demo(monkeypatch: pytest.MonkeyPatch) 
     importlib.util.find_spec("dask_overlap.demo") is None,
     reason="dask_overlap.demo not written yet",
 )
+@needs_install
 def test_demo_help_is_the_demos_own() -> None:
     out = run("-m", "dask", "overlap", "demo", "--help")
     assert out.returncode == 0, out.stderr
@@ -123,6 +125,7 @@ def test_worker_rejects_bad_flags_before_starting(args: list[str], code: int, me
     assert message in result.output
 
 
+@needs_install
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_worker_joins_computes_and_stops_on_signal(sig: signal.Signals, tmp_path: Path) -> None:
     log_path = tmp_path / "worker.log"
@@ -166,6 +169,7 @@ def test_worker_joins_computes_and_stops_on_signal(sig: signal.Signals, tmp_path
     assert "Traceback" not in text, text
 
 
+@needs_install
 def test_worker_says_what_it_waits_for_and_stops_cleanly_without_a_scheduler(
     tmp_path: Path,
 ) -> None:

@@ -17,7 +17,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
-from support import poll
+from support import needs_install, poll
 
 import dask_overlap
 from dask_overlap import LocalGPUCluster, OverlapSchedulerPlugin
@@ -364,6 +364,7 @@ def test_histories_follow_the_workers_that_report() -> None:
     assert hs.update([a])[0][1].timeline()["end"] == [0.5]  # from its heartbeat again
 
 
+@needs_install
 def test_cli_worker_adds_the_page(tmp_path: Path) -> None:
     with LocalCluster(n_workers=0, dashboard_address="127.0.0.1:0") as cluster:
         assert "overlap-dashboard" not in cluster.scheduler.plugins

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from distributed import Client, LocalCluster
-from support import CLUSTER_KW, PLUGIN_OPTIONS, poll
+from support import CLUSTER_KW, PLUGIN_OPTIONS, needs_install, poll
 
 import dask_overlap
 from dask_overlap import LocalGPUCluster, Options, runtime_stats
@@ -312,6 +312,7 @@ def test_ucx_settings_reach_the_worker_processes() -> None:
         ]
 
 
+@needs_install
 def test_worker_protocol_flag_reaches_the_worker(tmp_path: Path) -> None:
     # The scheduler talks WebSockets: a worker that listens on tcp:// took --protocol
     # (without it, it would take the scheduler's scheme).
