@@ -43,7 +43,11 @@ and the rows they write:
 
 The bound of a row is its slowest stage at rates measured in this run
 (``common.bound_seconds``: both ways at once on the GPU, the kernel's own time, the host's
-copies; ``stages_gbps`` gives each stage's). Every row has ``gbps``, ``reference_gbps``
+copies; ``stages_gbps`` gives each stage's). The rows on pinned input also have
+``copy_only_gbps``: the input copied in and out alone, partition by partition on two
+streams, over the whole run (``common.copy_only_seconds``, the best before and after the
+runs), and each run's ``ratio_to_copy_only``: the bound's both-ways rate is one
+partition's best burst, which a whole run of copies alone may not sustain. Every row has ``gbps``, ``reference_gbps``
 and ``reference`` (what it is) or ``bound_gbps`` and ``bound_stage``, ``ratio`` (``gbps``
 over either) and ``correct``; the result has ``device``. ``--record`` writes
 ``benchmarks/results/limits.json`` and a line of ``history.jsonl``.
@@ -87,6 +91,7 @@ from common import (  # noqa: E402
     bound_seconds,
     byte_count,
     comma_list,
+    copy_only_seconds,
     demo_input,
     demo_threaded,
     device_name,
@@ -383,6 +388,7 @@ def pinned_runs(
         x = array_of_views(host, rows_per_part)
         naive_s, ref = warm_then_time(naive(x, func), 1, **THREADED)
         arr = dask_overlap.map_blocks(func, x, split_axis=0, dtype=np.float32, out=out)
+        copy_s = copy_only_seconds(host, rows_per_part)
         runs = []
         for t in threads:
             warm_up(arr, scheduler="threads", num_workers=t)
@@ -403,8 +409,14 @@ def pinned_runs(
                     }
                 )
             del got
+    copies = {}
+    if copy_s is not None:  # the same copies after the runs too: the machine may drift
+        copy_s = min(copy_s, copy_only_seconds(host, rows_per_part) or copy_s)
+        copies["copy_only_gbps"] = nbytes / copy_s / GB
+        copies["ratio_to_copy_only"] = [r["gbps"] / copies["copy_only_gbps"] for r in runs]
     return {
         "runs": runs,
+        **copies,
         "bound_gbps": nbytes / bound_s / GB,
         "bound_stage": stage,
         "stages_gbps": {k: nbytes / v / GB for k, v in stages.items() if v > 0},
@@ -611,9 +623,12 @@ def row_line(name: str, r: dict[str, Any]) -> str:
         if "bound_gbps" in r
         else f"reference {r['reference_gbps']:7.2f}"
     )
+    copies = ""
+    if "copy_only_gbps" in r:  # copies alone, over the run's length (copy_only_seconds)
+        copies = f"  copies alone {r['copy_only_gbps']:.2f} GB/s"
     return (
         f"  {name:<20} {r['gbps']:7.2f} GB/s  {against:<30} ratio {r['ratio']:.3f}  "
-        f"correct={r['correct']}"
+        f"correct={r['correct']}{copies}"
     )
 
 
@@ -621,6 +636,7 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
     """The headline numbers of a run (its history line): each row's figure, what it is
     set against, the ratio and the check."""
     keys = ("gbps", "reference_gbps", "bound_gbps", "ratio", "correct", "ratio_each_run")
+    keys += ("copy_only_gbps", "ratio_to_copy_only")
     return {name: {k: r[k] for k in keys if k in r} for name, r in result["rows"].items()}
 
 

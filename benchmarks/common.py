@@ -977,6 +977,43 @@ def _cuda_ceilings(rt: Any, block: np.ndarray, ratio: float) -> tuple[dict, floa
     return ceilings, kernel_seconds(iterations), iterations
 
 
+def copy_only_seconds(host: np.ndarray, rows_per_part: int, repeat: int = 3) -> float | None:
+    """The best of ``repeat`` runs of copies alone over all of ``host`` (pinned), a
+    partition of ``rows_per_part`` at a time, on the GPU: each partition in on one stream,
+    out (into the same place: its values do not change) on another once it is in, two
+    device buffers a slot of four. Both engines busy at once for the whole input, as
+    the pinned path's bound assumes but over the run's length, not one partition's best
+    burst (:func:`_cuda_ceilings`). ``None`` off the GPU."""
+    try:
+        import cupy as cp
+    except ImportError:
+        return None
+    if not cp.cuda.is_available():
+        return None
+    parts = [host[s : s + rows_per_part] for s in range(0, host.shape[0], rows_per_part)]
+    slots = 4
+    dev = [cp.empty(parts[0].shape, parts[0].dtype) for _ in range(slots)]
+    s_in, s_out = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    done_out = [None] * slots
+    best = float("inf")
+    for _ in range(repeat):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for i, part in enumerate(parts):
+            j = i % slots
+            if done_out[j] is not None:
+                s_in.wait_event(done_out[j])  # the slot's last partition is out
+            d = dev[j][: part.shape[0]]
+            d.set(part, stream=s_in)
+            arrived = s_in.record()
+            s_out.wait_event(arrived)
+            d.get(stream=s_out, out=part, blocking=False)
+            done_out[j] = s_out.record()
+        cp.cuda.Device().synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_ceilings(rt: Any, block: np.ndarray, workload: str) -> tuple[dict, float, int]:
     """Stage ceilings for a run's bound, measured (or, on ``timed``, modelled) in this run.
 
