@@ -261,13 +261,16 @@ def test_install_and_uninstall_while_a_heartbeat_awaits_a_metric() -> None:
             Scheduler(dashboard_address=":0") as s,
             Worker(s.address, nthreads=1) as w,
         ):
-            for change in (install_worker_metrics, uninstall_worker_metrics):
+            for change in (
+                lambda: install_worker_metrics(w, rt),
+                lambda: uninstall_worker_metrics(w),
+            ):
                 w.metrics = {"awaited": awaited, **w.metrics, "after": lambda worker: 1}
                 started.clear()
                 release.clear()
                 pending = asyncio.ensure_future(w.get_metrics())
                 await asyncio.wait_for(started.wait(), 10)
-                change(w, rt) if change is install_worker_metrics else change(w)
+                change()
                 release.set()
                 got.append(await asyncio.wait_for(pending, 10))
             assert METRICS_NAME not in w.metrics

@@ -583,7 +583,7 @@ def test_which_partitions_auto_sizes_as_unstaged():
 
 
 FREEZE_PROBE = """
-import gc, sys
+import gc, sys, weakref
 import dask
 import dask_overlap
 setting = sys.argv[1] == "on"
@@ -599,7 +599,16 @@ with dask.config.set({"overlap.freeze-heap": setting}):
     made_after = [[]]
     dask_overlap.close_runtimes()
     dask_overlap.get_runtime("host")  # a second runtime does not freeze again
-    print(seen(made_after), gc.collect() >= 0)
+
+    class Cycle:
+        pass
+
+    cycle = Cycle()
+    cycle.me = cycle  # garbage only the collector's passes reclaim
+    gone = weakref.ref(cycle)
+    del cycle
+    gc.collect()
+    print(seen(made_after), gone() is None)
 """
 
 
@@ -618,4 +627,5 @@ def test_the_first_runtime_freezes_the_heap_once_unless_told_not_to(setting: str
         assert out[2] == "False"  # what was alive is out of the passes
     else:
         assert out[1:3] == [out[0], "True"]
-    assert out[3:] == ["True", "True"]  # what came later is collected as before
+    # What came later is walked and collected as before: a cycle made then is reclaimed.
+    assert out[3:] == ["True", "True"]
