@@ -21,6 +21,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from .layout import Layout
+from .recycle import ResultPool
 from .results import check_declared, check_like_first
 
 __all__ = ["PartitionOutput"]
@@ -30,10 +31,11 @@ class PartitionOutput:
     """The output of one partition (see the module docstring); safe to use from the
     threads that enqueue its sub-chunks."""
 
-    __slots__ = ("_lock", "array", "backend", "fallbacks", "lay", "ready", "spec")
+    __slots__ = ("_lock", "array", "backend", "fallbacks", "lay", "ready", "results", "spec")
 
-    def __init__(self, backend: Backend, lay: Layout, spec: Any):
+    def __init__(self, backend: Backend, lay: Layout, spec: Any, results: ResultPool | None = None):
         self.backend = backend
+        self.results = results
         self.lay = lay
         self.spec = spec
         self.array: Any = None
@@ -92,5 +94,7 @@ class PartitionOutput:
                 return block.view(dtype).reshape(shape)
             if nbytes:
                 self.fallbacks += 1  # past the pool's bound for held results
+        if self.results is not None:  # memory of results Dask let go, where there is some
+            return self.results.empty(shape, dtype)
         # Untouched until the copy threads write it: they fault its pages in, in parallel.
         return np.empty(shape, dtype)

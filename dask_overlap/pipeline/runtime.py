@@ -32,6 +32,7 @@ from ..backends import Backend, HostPool, Stream, make_backend, resolve_backend
 from ..config import Options
 from ..process import Registry
 from .copies import Copier, auto_threads
+from .recycle import ResultPool
 from .sampling import StageSampler
 from .stats import Counters
 
@@ -150,6 +151,9 @@ class Runtime:
         threads = self.options.staging_threads
         self.copy_threads = auto_threads() if threads == "auto" else int(threads)
         self.copies = Copier(self.copy_threads, f"overlap-{self.name}-copy")
+        # Pageable buffers that out="host" results are made in, used again once Dask lets
+        # a result go (overlap.result-pool-size; 0: none kept).
+        self.results = ResultPool(self.options.result_pool_size)
         self.counters = Counters()
         # overlap.direct-bytes as this backend applies it (see resolve_direct_bytes)
         host_memory = self.backend.host_memory
@@ -264,6 +268,7 @@ class Runtime:
         self._stopped.set()
         self._trimmer.join()
         self.copies.close()
+        self.results.clear()
         for s in self.streams:
             s.close()
         self.backend.close()

@@ -94,7 +94,7 @@ class PartitionWork:
             backend, rt.direct_bytes, lay, inputs, spec.out, spec.out_shape, spec.out_dtype
         )
         self.subs = list(map(admission.sub_chunk, range(len(lay.plan.sub_chunks))))
-        self.output = PartitionOutput(backend, lay, spec)
+        self.output = PartitionOutput(backend, lay, spec, rt.results)
         # Tallies of this partition, flushed into the runtime's counters once, at its end
         # (one locked update, not one per stage); kept by the driver's thread only.
         self.tally = {"bytes_staged": 0, "bytes_h2d": 0, "bytes_d2h": 0, "bytes_unstaged": 0}
