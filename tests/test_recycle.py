@@ -9,6 +9,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from support import GPU_CONFIG, require_gpu
 
 import dask_overlap
 from dask_overlap.pipeline.recycle import MIN_RECYCLED_BYTES, ResultPool
@@ -107,3 +108,17 @@ def test_no_pool_by_default_and_a_bad_size_names_the_setting() -> None:
     with dask.config.set({"overlap.result-pool-size": "lots"}):
         with pytest.raises(ValueError, match="result_pool_size"):
             dask_overlap.get_runtime("host")
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_results_are_filled_into_buffers_used_before() -> None:
+    cp = require_gpu()
+    a, x = _results()
+    with dask.config.set({**GPU_CONFIG, "overlap.result-pool-size": "8MiB"}):
+        y = dask_overlap.map_blocks(cp.negative, x, dtype=np.float32)
+        np.testing.assert_array_equal(y.compute(), -a)
+        rt = dask_overlap.get_runtime("cuda")
+        assert (rt.results.fresh, rt.results.idle_bytes) == (4, 4 * MiB)
+        first = y.compute()  # into the four buffers of the first run
+        np.testing.assert_array_equal(first, -a)
+        assert (rt.results.reused, rt.results.fresh) == (4, 4)

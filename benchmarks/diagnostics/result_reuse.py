@@ -30,7 +30,6 @@ Example (CPU, small)::
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -55,6 +54,7 @@ from common import (  # noqa: E402
     handwritten_runs,
     make_kernel,
     measure_ceilings,
+    pair_ratios,
     parser,
     persist_chunks,
     random_data,
@@ -96,9 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--persist-pool", type=byte_count, default="8GiB", help="pool of the persisted runs"
     )
-    p.add_argument(
-        "--stream-pool", type=byte_count, default="1GiB", help="pool of the stored runs"
-    )
+    p.add_argument("--stream-pool", type=byte_count, default="1GiB", help="pool of the stored runs")
     p.add_argument("--long", type=int, default=12, help="stores of the long run")
     add_repeat(p, 3, "of each variant")
     add_output(p)
@@ -133,9 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
                 del got
     rt.results = pools["none"]
     persisted = {k: nbytes / min(v) / GB for k, v in seconds.items()}
+    # how fast the runs with the pool were against those without, pair by pair
     pool_over_none = {
-        name: [a / b for a, b in zip(seconds[f"{name}_none"], seconds[f"{name}_pool"])]
-        for name in arrays
+        name: pair_ratios(seconds[f"{name}_pool"], seconds[f"{name}_none"]) for name in arrays
     }
     hand = []
     if backend == "cuda":
@@ -174,15 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
         "persist_pool_bytes": args.persist_pool,
         "stream_pool_bytes": args.stream_pool,
         "persisted_gbps": persisted,
-        "persisted_pool_over_none_pairs": pool_over_none,
-        "persisted_pool_over_none_median": {
-            k: statistics.median(v) for k, v in pool_over_none.items()
-        },
+        "persisted_pool_over_none": pool_over_none,
         "handwritten_gbps": max((h["gbps"] for h in hand), default=None),
         "stored_gbps": stored,
-        "stored_pool_over_none_pairs": [
-            a / b for a, b in zip(stored_runs["none"], stored_runs["pool"])
-        ],
+        "stored_pool_over_none": pair_ratios(stored_runs["pool"], stored_runs["none"]),
         "pool_reused": pool.reused,
         "pool_fresh": pool.fresh,
         "long_rss_bytes": long_rss,
@@ -198,11 +191,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  persisted {k:12s} {v:7.2f} GB/s")
     if result["handwritten_gbps"]:
         print(f"  hand-written           {result['handwritten_gbps']:7.2f} GB/s")
-    for k, v in result["persisted_pool_over_none_median"].items():
-        print(f"  {k}: pool/none median of pairs {v:.3f} {pool_over_none[k]}")
+    for k, v in pool_over_none.items():
+        print(f"  {k}: pool over none, median of pairs {v['median']:.3f} {v['pairs']}")
     for k, v in stored.items():
         print(f"  stored {k:6s} {v:7.2f} GB/s")
-    print(f"  stored pool/none pairs {result['stored_pool_over_none_pairs']}")
+    print(f"  stored: pool over none {result['stored_pool_over_none']}")
     print(
         f"  long run: RSS {[format_bytes(r) for r in long_rss]}, idle at most "
         f"{format_bytes(result['long_idle_max_bytes'])} of {format_bytes(args.stream_pool)}; "
@@ -212,7 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
         k: result[k]
         for k in (
             "persisted_gbps",
-            "persisted_pool_over_none_median",
+            "persisted_pool_over_none",
+            "stored_pool_over_none",
             "handwritten_gbps",
             "stored_gbps",
             "long_rss_growth_bytes",
