@@ -10,8 +10,9 @@ that Dask lets go soon (a pipeline that stores them, a worker that runs job afte
 pays that on every block.
 
 :class:`ResultPool` makes results over buffers it keeps: each result's memory belongs
-to a :class:`_Lease`, the one object every view of it refers to (NumPy's ``base``), and
-when the last of them goes the buffer comes back to the pool, already touched. The pool
+to a :class:`_Lease`, at the end of the ``base`` chain of the result and of every view
+of it, and when the last of them goes the buffer comes back to the pool, already
+touched. The pool
 keeps at most ``capacity`` bytes of buffers that no result uses; beyond that, a buffer
 given back is freed (the oldest first), so what the process holds is the results alive
 plus at most ``capacity``. ``capacity`` 0 turns it off (``np.empty`` as before).
@@ -33,9 +34,9 @@ MIN_RECYCLED_BYTES = 1 << 20
 
 
 class _Lease:
-    """The owner of one pooled buffer while results use it: arrays made over it
-    (``np.asarray``) and their views all have it as their ``base``, and when the last of
-    them goes, the buffer goes back to its pool."""
+    """The owner of one pooled buffer while results use it: an array made over it
+    (``np.asarray``) and every view of that array keep it alive through their ``base``
+    chain, and when the last of them goes, the buffer goes back to its pool."""
 
     __slots__ = ("__array_interface__", "_pool", "_raw")
 
