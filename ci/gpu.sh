@@ -7,9 +7,9 @@
 # a run, copy the current files into benchmarks/results/ and append $OUT/history.jsonl to
 # benchmarks/results/history.jsonl (pytest's log stays out of git).
 #
-#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits|halo]...
+#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits|halo|reuse]...
 #   (peak: PEAK_ARGS, PEAK_LIMIT; pipeline: PIPELINE_ARGS, PIPELINE_LIMIT; limits: LIMITS_ARGS,
-#   LIMITS_LIMIT; halo: HALO_ARGS, HALO_LIMIT)
+#   LIMITS_LIMIT; halo: HALO_ARGS, HALO_LIMIT; reuse: REUSE_ARGS, REUSE_LIMIT)
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -139,6 +139,14 @@ run_limits() {
         --record "$OUT" ${LIMITS_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 40 || status=1
 }
 
+run_reuse() {
+    # Issue 31's "beyond the anchors": results written into memory of results Dask let go
+    # (overlap.result-pool-size), persisted and stored, against fresh memory (result-reuse.json).
+    log "reuse: result_reuse.py ${REUSE_ARGS:-}"
+    timeout "${REUSE_LIMIT:-240}" python3 benchmarks/diagnostics/result_reuse.py \
+        --record "$OUT" ${REUSE_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 14 || status=1
+}
+
 run_halo() {
     # A filter with halos (issue 30): map_overlap against the naive path, the padded blocks
     # built on the host, and the same filter with no halo.
@@ -243,9 +251,10 @@ for step in "${steps[@]}"; do
         pipeline) run_pipeline ;;
         limits) run_limits ;;
         halo) run_halo ;;
+        reuse) run_reuse ;;
         small) run_small ;;
         floor) run_floor ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits|halo]..."; exit 2 ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits|halo|reuse]..."; exit 2 ;;
     esac
 done
 log "done, status $status"

@@ -207,6 +207,22 @@ def test_bench_cluster_and_its_scaling_on_the_cpu(tmp_path, monkeypatch):
     assert all(r["correct"] and r["efficiency"] == 1.0 for m in scaling.values() for r in m)
 
 
+@pytest.mark.timeout(120)
+def test_result_reuse_runs_each_variant_and_bounds_the_pool_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    argv = ["--size", "16MiB", "--partition", "4MiB", "--repeat", "2", "--long", "3"]
+    argv += ["--persist-pool", "16MiB", "--stream-pool", "8MiB"]
+    result = run("diagnostics/result_reuse.py", *argv, record=tmp_path)
+    assert result["correct"] is True and result["device"] == "cpu"
+    assert set(result["persisted_gbps"]) == {"split_none", "split_pool", "whole_none", "whole_pool"}
+    assert [len(v["pairs"]) for v in result["persisted_pool_over_none"].values()] == [2, 2]
+    assert len(result["stored_pool_over_none"]["pairs"]) == 2
+    assert len(result["long_rss_bytes"]) == 3
+    assert result["long_idle_max_bytes"] <= 8 << 20
+    (line,) = history(tmp_path)
+    assert line["benchmark"] == "result-reuse" and line["figures"]["correct"] is True
+
+
 @pytest.mark.timeout(180)
 def test_small_partitions_runs_bench_overlap_per_case_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
