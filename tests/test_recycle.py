@@ -44,9 +44,11 @@ def test_idle_buffers_never_exceed_the_capacity_oldest_freed_first() -> None:
     again = [pool.empty((MiB,), np.uint8) for _ in range(3)]
     assert pool.reused == 3 and pool.idle_bytes == 0
     assert {a.__array_interface__["data"][0] for a in again} == set(where[2:])
-    del again
     pool.clear()
     assert pool.idle_bytes == 0
+    pool.close()  # its runtime closed: buffers given back from now on are freed
+    del again
+    assert pool.idle_bytes == 0 and not pool._order
 
 
 def test_small_oversized_and_object_results_are_plain_arrays() -> None:
@@ -96,6 +98,11 @@ def test_a_runtime_makes_results_over_the_buffers_of_results_let_go() -> None:
             np.testing.assert_array_equal(y.compute(), -a)
             assert rt.results.idle_bytes <= rt.results.capacity
         assert rt.results.fresh == 4
+        kept = y.compute()
+        dask_overlap.close_runtimes()  # a result alive keeps its memory; none is kept after
+        np.testing.assert_array_equal(kept, -a)
+        del kept
+        assert rt.results.closed and rt.results.idle_bytes == 0
 
 
 @pytest.mark.usefixtures("ring_only")

@@ -63,6 +63,7 @@ class ResultPool:
         self._idle: dict[int, list[np.ndarray]] = collections.defaultdict(list)
         self._order: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.idle_bytes = 0
+        self.closed = False  # closed: buffers given back are freed, none kept
         self.reused = 0  # results made over a buffer used before
         self.fresh = 0  # results that needed a new buffer
         # Re-entrant: a lease can be collected (and give its buffer back) while this
@@ -95,6 +96,8 @@ class ResultPool:
         """Keep ``raw`` (no result uses it any more) for a later result of its size, and
         free the oldest idle buffers while the pool holds more than its capacity."""
         with self._lock:
+            if self.closed:
+                return
             self._idle[raw.nbytes].append(raw)
             self._order[id(raw)] = raw
             self.idle_bytes += raw.nbytes
@@ -109,3 +112,10 @@ class ResultPool:
             self._idle.clear()
             self._order.clear()
             self.idle_bytes = 0
+
+    def close(self) -> None:
+        """Free every idle buffer, and from now on each buffer given back too (its
+        runtime is closed; results still alive keep their memory until they go)."""
+        with self._lock:
+            self.closed = True
+            self.clear()

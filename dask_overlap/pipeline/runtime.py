@@ -268,7 +268,7 @@ class Runtime:
         self._stopped.set()
         self._trimmer.join()
         self.copies.close()
-        self.results.clear()
+        self.results.close()
         for s in self.streams:
             s.close()
         self.backend.close()
