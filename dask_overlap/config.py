@@ -149,7 +149,7 @@ class Options:
     streams: int
     staging_threads: int | str  # or "auto": see copies.auto_threads
     pinned_pool_size: int
-    result_pool_size: int  # idle result buffers kept for reuse: see pipeline.recycle
+    result_pool_size: int | str  # or "auto": see pipeline.recycle.result_pool_bytes
     direct_bytes: int | str  # or "auto": see pipeline.runtime.resolve_direct_bytes
     device_pool_size: int
     device_memory_resource: str
@@ -196,7 +196,7 @@ class Options:
             pinned_pool_size=check_bytes(
                 "pinned_pool_size", get("pinned_pool_size"), allow_zero=True
             ),
-            result_pool_size=check_bytes(
+            result_pool_size=_bytes_or_auto(
                 "result_pool_size", get("result_pool_size"), allow_zero=True
             ),
             direct_bytes=_bytes_or_auto("direct_bytes", get("direct_bytes"), allow_zero=True),

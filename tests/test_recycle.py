@@ -12,7 +12,13 @@ import pytest
 from support import GPU_CONFIG, require_gpu
 
 import dask_overlap
-from dask_overlap.pipeline.recycle import MIN_RECYCLED_BYTES, ResultPool
+from dask_overlap import OverlapPlugin
+from dask_overlap.pipeline.recycle import (
+    AUTO_POOL_BYTES,
+    AUTO_POOL_SHARE,
+    MIN_RECYCLED_BYTES,
+    ResultPool,
+)
 
 MiB = 1 << 20
 
@@ -106,15 +112,40 @@ def test_a_runtime_makes_results_over_the_buffers_of_results_let_go() -> None:
 
 
 @pytest.mark.usefixtures("ring_only")
-def test_no_pool_by_default_and_a_bad_size_names_the_setting() -> None:
+def test_auto_by_default_zero_turns_it_off_and_a_bad_size_names_the_setting() -> None:
+    from distributed.system import MEMORY_LIMIT
+
     a, x = _results()
     y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=MiB // 2)
     np.testing.assert_array_equal(y.compute(), -a)
     rt = dask_overlap.get_runtime("host")
-    assert rt.results.capacity == 0 and rt.results.idle_bytes == 0
+    assert rt.results.capacity == min(AUTO_POOL_BYTES, MEMORY_LIMIT // AUTO_POOL_SHARE) > 0
+    assert rt.results.fresh == 4 and rt.results.idle_bytes == 4 * MiB
+    with dask.config.set({"overlap.result-pool-size": 0}):
+        np.testing.assert_array_equal(y.compute(), -a)
+        rt = dask_overlap.get_runtime("host")
+        assert rt.results.capacity == 0 and (rt.results.fresh, rt.results.idle_bytes) == (0, 0)
     with dask.config.set({"overlap.result-pool-size": "lots"}):
         with pytest.raises(ValueError, match="result_pool_size"):
             dask_overlap.get_runtime("host")
+
+
+def test_a_worker_keeps_an_eighth_of_its_memory_limit_at_most() -> None:
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=1, processes=False, memory_limit="1GiB", dashboard_address=None
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(OverlapPlugin(backend="host"))
+
+        def capacity(dask_worker):
+            return dask_worker.plugins["overlap"].runtime(dask_worker).results.capacity
+
+        (got,) = client.run(capacity).values()
+    assert got == (1 << 30) // AUTO_POOL_SHARE
 
 
 @pytest.mark.gpu

@@ -133,7 +133,9 @@ class OverlapPlugin(WorkerPlugin):
         resource = device_memory_resource(options.device_memory_resource, worker.address)
         if resource != options.device_memory_resource:
             options = dataclasses.replace(options, device_memory_resource=resource)
-        rt = await asyncio.to_thread(Runtime, options)
+        # result-pool-size: auto takes a share of this worker's memory limit
+        limit = worker.memory_manager.memory_limit
+        rt = await asyncio.to_thread(Runtime, options, limit)
         serve_worker_runtimes(worker_runtime)
         with _live.lock:
             old = _live.items.pop(worker.address, None)

@@ -32,7 +32,7 @@ from ..backends import Backend, HostPool, Stream, make_backend, resolve_backend
 from ..config import Options
 from ..process import Registry
 from .copies import Copier, auto_threads
-from .recycle import ResultPool
+from .recycle import ResultPool, result_pool_bytes
 from .sampling import StageSampler
 from .stats import Counters
 
@@ -139,9 +139,12 @@ class Runtime:
     ----------
     options
         Resolved options; ``Options.from_config()`` when omitted.
+    memory_limit
+        The memory limit of the distributed worker the runtime serves, if any: what
+        ``result-pool-size: auto`` takes a share of (the machine's memory otherwise).
     """
 
-    def __init__(self, options: Options | None = None):
+    def __init__(self, options: Options | None = None, memory_limit: int | None = None):
         self.options = options if options is not None else Options.from_config()
         self.backend: Backend = make_backend(self.options)
         self.name = self.backend.name
@@ -153,7 +156,7 @@ class Runtime:
         self.copies = Copier(self.copy_threads, f"overlap-{self.name}-copy")
         # Pageable buffers that out="host" results are made in, used again once Dask lets
         # a result go (overlap.result-pool-size; 0: none kept).
-        self.results = ResultPool(self.options.result_pool_size)
+        self.results = ResultPool(result_pool_bytes(self.options.result_pool_size, memory_limit))
         self.counters = Counters()
         # overlap.direct-bytes as this backend applies it (see resolve_direct_bytes)
         host_memory = self.backend.host_memory
