@@ -9,7 +9,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from support import GPU_CONFIG, require_gpu
+from support import GPU_CONFIG, poll, require_gpu
 
 import dask_overlap
 from dask_overlap import OverlapPlugin
@@ -128,6 +128,22 @@ def test_auto_by_default_zero_turns_it_off_and_a_bad_size_names_the_setting() ->
     with dask.config.set({"overlap.result-pool-size": "lots"}):
         with pytest.raises(ValueError, match="result_pool_size"):
             dask_overlap.get_runtime("host")
+
+
+@pytest.mark.usefixtures("ring_only")
+def test_idle_buffers_are_freed_once_the_runtime_has_been_idle_a_while(monkeypatch) -> None:
+    from dask_overlap.pipeline import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "RESULTS_IDLE_SECONDS", 1.0)
+    a, x = _results()
+    with dask.config.set({"overlap.result-pool-size": "8MiB"}):
+        y = dask_overlap.map_blocks(np.negative, x, split_axis=0, sub_chunk_bytes=MiB // 2)
+        np.testing.assert_array_equal(y.compute(), -a)
+        rt = dask_overlap.get_runtime("host")
+        assert rt.results.fresh == 4
+        poll(lambda: rt.results.idle_bytes == 0, what="the idle buffers freed")
+        np.testing.assert_array_equal(y.compute(), -a)  # fresh memory again, pooled again
+        assert (rt.results.fresh, rt.results.reused) == (8, 0)
 
 
 def test_a_worker_keeps_an_eighth_of_its_memory_limit_at_most() -> None:

@@ -29,7 +29,8 @@ store target that takes each block with one thread's copy) it changes nothing.
 most an eighth of the memory the process may use: a distributed worker's memory limit,
 else the machine's (as distributed reads it, within a cgroup's limit). Idle buffers are
 memory that Dask counts as unmanaged, so a worker keeps them well under its pause
-threshold.
+threshold, and the runtime frees them once it has run no partition for a few seconds
+(``runtime.RESULTS_IDLE_SECONDS``): a worker paused for its memory gets them back.
 """
 
 from __future__ import annotations

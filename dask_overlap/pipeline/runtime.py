@@ -58,6 +58,10 @@ DRAIN_SECONDS = 30.0
 #: How often the runtime looks whether it is idle, to give the backend's cached device
 #: memory back (see Runtime._trim_when_idle).
 TRIM_SECONDS = 0.5
+#: How long the runtime stays idle before its result pool's idle buffers are freed: long
+#: enough for work that follows work (a job after a job, a run after a check of the last),
+#: short enough that a worker Dask paused for its memory gets it back.
+RESULTS_IDLE_SECONDS = 5.0
 
 
 #: ``direct-bytes: auto`` where the device has memory of its own.
@@ -190,8 +194,9 @@ class Runtime:
         look, the backend's cached device memory goes back to its pool (``Backend.trim``):
         the cache serves partitions that follow each other closely, and holds nothing for
         long once they stop (blocks a failed partition's traceback kept come back to it
-        when collected, and go back from there at the next look)."""
-        seen = -1
+        when collected, and go back from there at the next look). Once it has been idle
+        for RESULTS_IDLE_SECONDS, the result pool's idle buffers are freed too."""
+        seen, idle_since = -1, None
         while not self._stopped.wait(TRIM_SECONDS):
             counters = self.counters
             started = counters.partitions
@@ -202,6 +207,12 @@ class Runtime:
                     logger.exception(
                         "%s runtime: giving cached device memory back failed", self.name
                     )
+                now = time.monotonic()
+                idle_since = now if idle_since is None else idle_since
+                if self.results.idle_bytes and now - idle_since >= RESULTS_IDLE_SECONDS:
+                    self.results.clear()  # idle buffers held for long serve no one
+            else:
+                idle_since = None
             seen = started
 
     def acquire_stream(self) -> Stream:
