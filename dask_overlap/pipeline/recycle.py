@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -113,6 +114,7 @@ class ResultPool:
         self._order: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.idle_bytes = 0
         self.closed = False  # closed: buffers given back are freed, none kept
+        self.returned_at = 0.0  # time.monotonic() of the last buffer given back
         self.reused = 0  # results made over a buffer used before
         self.fresh = 0  # results that needed a new buffer
         # Re-entrant: a lease can be collected (and give its buffer back) while this
@@ -147,6 +149,7 @@ class ResultPool:
         with self._lock:
             if self.closed:
                 return
+            self.returned_at = time.monotonic()
             self._idle[raw.nbytes].append(raw)
             self._order[id(raw)] = raw
             self.idle_bytes += raw.nbytes

@@ -58,7 +58,8 @@ DRAIN_SECONDS = 30.0
 #: How often the runtime looks whether it is idle, to give the backend's cached device
 #: memory back (see Runtime._trim_when_idle).
 TRIM_SECONDS = 0.5
-#: How long the runtime stays idle before its result pool's idle buffers are freed: long
+#: How long the runtime stays idle, and its result pool gets no buffer back, before the
+#: pool's idle buffers are freed: long
 #: enough for work that follows work (a job after a job, a run after a check of the last),
 #: short enough that a worker Dask paused for its memory gets it back.
 RESULTS_IDLE_SECONDS = 5.0
@@ -195,7 +196,8 @@ class Runtime:
         the cache serves partitions that follow each other closely, and holds nothing for
         long once they stop (blocks a failed partition's traceback kept come back to it
         when collected, and go back from there at the next look). Once it has been idle
-        for RESULTS_IDLE_SECONDS, the result pool's idle buffers are freed too."""
+        for RESULTS_IDLE_SECONDS, and its result pool got no buffer back for as long, the
+        pool's idle buffers are freed too."""
         seen, idle_since = -1, None
         while not self._stopped.wait(TRIM_SECONDS):
             counters = self.counters
@@ -209,7 +211,9 @@ class Runtime:
                     )
                 now = time.monotonic()
                 idle_since = now if idle_since is None else idle_since
-                if self.results.idle_bytes and now - idle_since >= RESULTS_IDLE_SECONDS:
+                # buffers given back a moment ago are kept for the work that may follow
+                quiet = now - max(idle_since, self.results.returned_at)
+                if self.results.idle_bytes and quiet >= RESULTS_IDLE_SECONDS:
                     self.results.clear()  # idle buffers held for long serve no one
             else:
                 idle_since = None
