@@ -59,9 +59,9 @@ DRAIN_SECONDS = 30.0
 #: memory back (see Runtime._trim_when_idle).
 TRIM_SECONDS = 0.5
 #: How long the runtime stays idle, and its result pool gets no buffer back, before the
-#: pool's idle buffers are freed: long
-#: enough for work that follows work (a job after a job, a run after a check of the last),
-#: short enough that a worker Dask paused for its memory gets it back.
+#: pool's idle buffers are freed: long enough for work that follows work (a job after a
+#: job, a run after a check of the last), short enough that a worker Dask paused for its
+#: memory gets it back.
 RESULTS_IDLE_SECONDS = 5.0
 
 
