@@ -14,7 +14,8 @@ to a :class:`_Lease`, at the end of the ``base`` chain of the result and of ever
 of it, and when the last of them goes the buffer comes back to the pool, already
 touched. The pool keeps at most ``capacity`` bytes of buffers that no result uses;
 beyond that, a buffer given back is freed (the oldest first), so what the process holds
-is the results alive plus at most ``capacity``. ``capacity`` 0 turns it off (``np.empty`` as before).
+is the results alive plus at most ``capacity``. ``capacity`` 0 turns it off
+(``np.empty`` as before).
 
 The pool serves results that Dask lets go while later ones are made: a worker that runs
 job after job, each job's results let go before the next. On an H100 (8 GiB of pageable
