@@ -96,6 +96,9 @@ def test_a_runtime_makes_results_over_the_buffers_of_results_let_go() -> None:
         np.testing.assert_array_equal(first, -a)
         assert rt.results.fresh == 4
         assert rt.results.idle_bytes == 4 * MiB  # Dask let the four blocks go
+        stats = dask_overlap.runtime_stats("host")
+        assert (stats["result_bytes_idle"], stats["result_pool_size"]) == (4 * MiB, 8 * MiB)
+        assert (stats["results_fresh"], stats["results_reused"]) == (4, 0)
         (done,) = dask.persist(y)
         assert rt.results.reused == 4 and rt.results.idle_bytes == 0
         np.testing.assert_array_equal(done.compute(), -a)

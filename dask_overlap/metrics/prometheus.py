@@ -16,8 +16,8 @@ Series (counters get prometheus_client's ``_total`` suffix): ``partitions``,
 ``bytes`` (label ``direction``: staged, h2d, d2h, unstaged), ``busy_seconds`` (label
 ``stage``); gauges ``partitions_active``, ``in_flight``, ``window_capacity``,
 ``pinned_bytes_in_use``, ``pinned_pool_size``, ``device_bytes_in_use``,
-``device_pool_size``, ``overlap_efficiency``, ``throughput_bytes_per_second`` (label
-``direction``: h2d, d2h).
+``device_pool_size``, ``result_bytes_idle``, ``overlap_efficiency``,
+``throughput_bytes_per_second`` (label ``direction``: h2d, d2h).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ GAUGES = {
     "pinned_pool_size": "Bound of the pinned host pool, bytes",
     "device_bytes_in_use": "Device bytes in use",
     "device_pool_size": "Bound of the device pool, bytes",
+    "result_bytes_idle": "Bytes of result memory kept for reuse, unused now",
     "overlap_efficiency": "Stage busy time over busy wall time, recent",
 }
 

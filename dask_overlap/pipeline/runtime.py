@@ -259,6 +259,7 @@ class Runtime:
             self.backend.device_bytes_in_use(),
             len(self.streams),
             self.copy_threads,
+            self.results,
         )
 
     def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
@@ -366,6 +367,7 @@ def _stats(
     device: int | None,
     streams: int,
     staging_threads: int | str,
+    results: ResultPool,
 ) -> dict[str, Any]:
     """What :func:`runtime_stats` returns, of a runtime's parts (the one place its keys
     are written)."""
@@ -381,6 +383,10 @@ def _stats(
         device_bytes_in_use=out["device_bytes_in_flight"] if device is None else device,
         streams=streams,
         staging_threads=staging_threads,
+        result_bytes_idle=results.idle_bytes,
+        result_pool_size=results.capacity,
+        results_reused=results.reused,
+        results_fresh=results.fresh,
     )
     return out
 
@@ -396,6 +402,7 @@ def idle_stats(backend: str) -> dict[str, Any]:
         0,
         options.streams,
         options.staging_threads,
+        ResultPool(result_pool_bytes(options.result_pool_size)),
     )
 
 
