@@ -410,6 +410,7 @@ def test_worker_prometheus_endpoint(run: dict[str, Any]) -> None:
             "pinned_bytes_in_use",
             "overlap_efficiency",
             "busy_seconds_total",
+            "result_bytes_idle",
         ):
             assert f"dask_overlap_{name}" in text, name
     assert total == run["nbytes"]
