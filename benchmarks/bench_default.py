@@ -63,18 +63,13 @@ from common import (  # noqa: E402
     persist_chunks,
     persist_in_turn,
     random_data,
+    rss,
     same_chunks,
     save,
     warm_up,
 )
 
 BENCHMARK = "default-path"
-
-
-def rss() -> int:
-    """This process's resident bytes (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def stage_rates(block: np.ndarray, threads: int) -> dict[str, float]:

@@ -629,6 +629,12 @@ class GcPauses:
         return {"passes": list(self.passes), "ms": self.seconds * 1e3}
 
 
+def rss() -> int:
+    """This process's resident bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def persist_timed(arr: da.Array, client: Any = None, **persist_kw: Any) -> tuple[float, Any]:
     """Seconds until every chunk of ``arr`` exists, and the persisted array: ``dask.persist``
     (``persist_kw``: its scheduler), or on ``client`` ``persist`` and ``distributed.wait``."""

@@ -33,7 +33,7 @@ class PartitionOutput:
 
     __slots__ = ("_lock", "array", "backend", "fallbacks", "lay", "ready", "results", "spec")
 
-    def __init__(self, backend: Backend, lay: Layout, spec: Any, results: ResultPool | None = None):
+    def __init__(self, backend: Backend, lay: Layout, spec: Any, results: ResultPool):
         self.backend = backend
         self.results = results
         self.lay = lay
@@ -94,7 +94,6 @@ class PartitionOutput:
                 return block.view(dtype).reshape(shape)
             if nbytes:
                 self.fallbacks += 1  # past the pool's bound for held results
-        if self.results is not None:  # memory of results Dask let go, where there is some
-            return self.results.empty(shape, dtype)
-        # Untouched until the copy threads write it: they fault its pages in, in parallel.
-        return np.empty(shape, dtype)
+        # Memory of results Dask let go where the pool has some; else fresh memory,
+        # untouched until the copy threads write it (they fault its pages in, in parallel).
+        return self.results.empty(shape, dtype)
