@@ -99,6 +99,7 @@ from common import (  # noqa: E402
     equals_plain_dask,
     gaussian_case,
     handwritten_runs,
+    keys_of,
     make_kernel,
     measure_ceilings,
     naive,
@@ -309,7 +310,7 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
     """The demo's LocalGPUCluster run against the same partitions on the threaded scheduler."""
     from distributed import Client, wait
 
-    from dask_overlap.demo import naive_scale_shift, scale_shift
+    from dask_overlap.demo import naive_scale_shift, scale_shift, wait_released
 
     rows, rows_per_part = rows_of(args.size), rows_of(args.partition)
     nbytes = rows * COLS * 4
@@ -333,14 +334,20 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
                 scale_shift, x, split_axis=0, token=f"scale_shift-run{i}", **DEMO_KERNEL
             )
 
-        wait(client.persist(naive_arr[:warm]))
-        naive_s = persist_timed(naive_arr, client)[0]  # its result dropped at once
-        wait(client.persist(run_of(x, 0)[:warm]))
-        seconds, done = float("inf"), None
-        for i in range(args.repeat):
-            done = None
-            s, done = persist_timed(run_of(x, i + 1), client)
+        # Each result is let go, and the worker has dropped it, before the next run starts,
+        # as the demo does (and as the threaded reference's are, in one process).
+        wait_released(client, keys_of(persist_timed(naive_arr[:warm], client)[1]))
+        naive_s, done = persist_timed(naive_arr, client)
+        keys, done = keys_of(done), None
+        wait_released(client, keys)
+        wait_released(client, keys_of(persist_timed(run_of(x, 0)[:warm], client)[1]))
+        seconds = float("inf")
+        for i in range(1, args.repeat + 1):
+            s, done = persist_timed(run_of(x, i), client)
             seconds = min(seconds, s)
+            if i < args.repeat:  # the last run's result is checked
+                keys, done = keys_of(done), None
+                wait_released(client, keys)
         backends = {s["backend"] for s in client.run(dask_overlap.runtime_stats).values()}
         correct = equals_plain_dask(done, x, backends == {"cuda"})
         nthreads = client.nthreads()

@@ -686,11 +686,16 @@ def demo_threaded(backend: str, repeat: int, rows: int, rows_per_part: int) -> t
     return rows * COLS * 4 / seconds / GB, equals_plain_dask(done, x, rt.name == "cuda")
 
 
+def keys_of(arr: da.Array) -> list:
+    """The keys of ``arr``'s chunks, in block order."""
+    return list(flatten(arr.__dask_keys__()))
+
+
 def persist_chunks(arr: da.Array, **persist_kw: Any) -> tuple[float, list[np.ndarray]]:
     """:func:`persist_timed` on a local scheduler, and the chunks (in block order)."""
     seconds, done = persist_timed(arr, **persist_kw)
     graph = done.__dask_graph__()
-    return seconds, [np.asarray(graph[k]) for k in flatten(done.__dask_keys__())]
+    return seconds, [np.asarray(graph[k]) for k in keys_of(done)]
 
 
 def best_of(run: Callable[[], tuple[float, T]], repeat: int) -> tuple[float, T]:

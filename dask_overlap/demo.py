@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     import dask.array as da
     from distributed import Client
 
-__all__ = ["main", "naive_scale_shift", "scale_shift"]
+__all__ = ["main", "naive_scale_shift", "scale_shift", "wait_released"]
 
 _COLS = 1024  # float32 columns: a row is 4 KiB, and partitions are whole rows
 
@@ -258,29 +259,56 @@ def _arrays(x: da.Array, setup: _DemoSetup, run: int) -> tuple[da.Array, da.Arra
 def _run_both(client: Client, x: da.Array, setup: _DemoSetup) -> _Run:
     """Each path ``setup.repeat`` times: its seconds, and dask_overlap's last result
     (persisted) with what its runtimes counted in that run."""
-    from distributed import wait
-
     # Warm-up, the whole array each, one after the other: kernel compilation, the pools
     # and the workers' first touch of fresh memory (the first run of either path pays
     # for page faults that later ones do not) stay out of the times.
     for warm in _arrays(x, setup, 0):
-        wait(warm.persist())
+        wait_released(client, _keys(_persist_timed(warm)[0]))
     naive_runs, overlap_runs = [], []
     kept, counted = None, {}
     for run in range(1, setup.repeat + 1):
         naive, overlapped = _arrays(x, setup, run)
-        # The paths take turns at going first. Every result is dropped at once (so its
-        # memory is free for the next run) but dask_overlap's last, which is checked.
+        # The paths take turns at going first. Every result is dropped, and the workers
+        # have let it go, before the next run starts (so its memory is free for that
+        # run, as in one process), but dask_overlap's last, which is checked.
         for path in ("naive", "overlap") if run % 2 else ("overlap", "naive"):
             if path == "naive":
-                naive_runs.append(_persist_timed(naive)[1])
-                continue
-            result, seconds, counted = _counted_run(client, overlapped)
-            overlap_runs.append(seconds)
-            kept = result if run == setup.repeat else None
-            del result
+                result, seconds = _persist_timed(naive)
+                naive_runs.append(seconds)
+            else:
+                result, seconds, counted = _counted_run(client, overlapped)
+                overlap_runs.append(seconds)
+                if run == setup.repeat:
+                    kept = result
+                    continue
+            keys, result = _keys(result), None
+            wait_released(client, keys)
         del naive, overlapped
     return _Run(tuple(naive_runs), kept, tuple(overlap_runs), counted)
+
+
+def _keys(arr: da.Array) -> list:
+    from dask.core import flatten
+
+    return list(flatten(arr.__dask_keys__()))
+
+
+def wait_released(client: Client, keys: list, timeout: float = 10.0) -> None:
+    """Wait (at most ``timeout`` seconds) until no worker holds any of ``keys``, whose
+    futures the caller has let go.
+
+    The scheduler tells the workers to let a dropped result go a moment after the client
+    drops it; a run started before then finds that memory still taken (and dask_overlap's
+    result pool empty), where a run in one process finds it free."""
+    gc.collect()  # futures held in reference cycles are let go now, not at the next pass
+    deadline = time.monotonic() + timeout
+    while any(client.run(_held, keys).values()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _held(keys: list, dask_worker: Any = None) -> int:
+    """How many of ``keys`` this worker holds (run on the workers by :func:`wait_released`)."""
+    return sum(key in dask_worker.data for key in keys)
 
 
 def _counted_run(client: Client, arr: da.Array) -> tuple[da.Array, float, dict[str, float]]:

@@ -18,7 +18,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 from support import needs_install, poll, without_shutdown_noise
 
 import dask_overlap
@@ -243,3 +243,27 @@ def test_demo_numbers_add_up(tmp_path: Path) -> None:
     assert "until every chunk exists (median of 2 runs)" in out, out
     ratio = re.search(r"dask_overlap / plain Dask \(NumPy\): ([0-9.]+)x \(run by run: (.*)\)", out)
     assert ratio and float(ratio.group(1)) > 0 and len(ratio.group(2).split(", ")) == 2, out
+
+
+@pytest.mark.timeout(120)
+def test_demo_waits_until_the_workers_let_a_dropped_result_go() -> None:
+    from dask.core import flatten
+
+    from dask_overlap.demo import _held, wait_released
+
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        arr = client.persist(da.ones((40, 10), chunks=(10, 10)) + 1)
+        wait(arr)
+        keys = list(flatten(arr.__dask_keys__()))
+        assert len(keys) == 4 and sum(client.run(_held, keys).values()) == 4
+        # Still held by the client: nothing is let go, and the wait ends at its timeout.
+        wait_released(client, keys, timeout=0.2)
+        assert sum(client.run(_held, keys).values()) == 4
+        assert float(arr.sum().compute()) == 800.0
+        del arr
+        # Let go: when the wait returns, no worker holds any chunk (no poll here).
+        wait_released(client, keys, timeout=60)
+        assert sum(client.run(_held, keys).values()) == 0
