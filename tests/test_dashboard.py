@@ -111,6 +111,10 @@ def check_snapshot(snap: dict[str, Any], cluster: LocalCluster) -> None:
         assert "recent" not in w  # the heartbeat's packed spans are unpacked into timeline
         assert {"pinned_bytes_in_use", "pinned_pool_size", "device_bytes_in_use"} <= set(w)
         assert {"in_flight", "window_capacity", "backpressure_seconds"} <= set(w)
+        # The result pool's bar and numbers: its bound, what it holds, results made.
+        assert {"result_bytes_idle", "result_pool_size", "results_reused", "results_fresh"} <= set(
+            w
+        )
 
 
 def count_timeline_calls(dask_worker: Any) -> None:

@@ -14,7 +14,7 @@ from ..pipeline.stages import COLORS, DISPLAY_NAMES, TRANSFER_LANE
 __all__ = ["GB", "WorkerPanel", "format_rate"]
 
 GB = 1e9  # link rates are decimal: 55 GB/s
-_POOLS = ["pinned pool", "device pool", "window"]
+_POOLS = ["pinned pool", "device pool", "window", "result pool"]
 
 
 def format_rate(bps: float) -> str:
@@ -95,8 +95,9 @@ def _throughput_figure(x_range: Any, source: Any, link_bandwidth: float) -> Any:
 
 
 def _pools_figure(source: Any) -> Any:
-    """One bar per bound (pinned pool, device pool, window): its outline the bound, its
-    fill the share in use, with the figures written on it."""
+    """One bar per bound (pinned pool, device pool, window, result pool): its outline the
+    bound, its fill the share in use (of the result pool: the share it holds idle, ready
+    for the next results), with the figures written on it."""
     from bokeh.models import LabelSet, Range1d
     from bokeh.plotting import figure
 
@@ -104,7 +105,7 @@ def _pools_figure(source: Any) -> Any:
         title="Use against bounds",
         y_range=list(reversed(_POOLS)),
         x_range=Range1d(0, 1.25),
-        height=170,
+        height=200,
         width=360,
         tools="",
         toolbar_location=None,
@@ -140,7 +141,9 @@ class WorkerPanel:
         self.address = address
         # Its own source: Bokeh cannot filter a line's points through a view.
         self.rate_source = ColumnDataSource({"time": [], "h2d": [], "d2h": []})
-        self.pools_source = ColumnDataSource({"name": _POOLS, "used": [0.0] * 3, "text": [""] * 3})
+        self.pools_source = ColumnDataSource(
+            {"name": _POOLS, "used": [0.0] * len(_POOLS), "text": [""] * len(_POOLS)}
+        )
         self.timeline = _timeline_figure(address, x_range, timeline_source)
         self.throughput = _throughput_figure(x_range, self.rate_source, link_bandwidth)
         self.pools = _pools_figure(self.pools_source)
@@ -192,6 +195,8 @@ class WorkerPanel:
             f"partitions {w.get('partitions', 0)} ({w.get('partitions_active', 0)} running), "
             f"sub-chunks {w.get('sub_chunks', 0)}<br>"
             f"pinned fallbacks {w.get('pinned_fallbacks', 0)}<br>"
+            f"results made in reused memory {w.get('results_reused', 0)}, "
+            f"in fresh {w.get('results_fresh', 0)}<br>"
             f"{busy} {w.get('busy_unit', 'seconds')} busy"
         )
 
@@ -204,17 +209,32 @@ def _lane_name(lane: int) -> str:
 
 
 def _pool_bars(w: dict[str, Any]) -> dict[str, list]:
+    """The bars of :func:`_pools_figure` for worker snapshot ``w``.
+
+    >>> bars = _pool_bars({"result_bytes_idle": 2**30, "result_pool_size": 4 * 2**30})
+    >>> bars["used"][3], bars["text"][3]
+    (0.25, '1.00 GiB idle / 4.00 GiB')
+    >>> _pool_bars({"result_pool_size": 0})["text"][3]  # overlap.result-pool-size: 0
+    'off'
+    """
     pinned = int(w.get("pinned_bytes_in_use") or 0)
     pinned_max = int(w.get("pinned_pool_size") or 0) or 1
     device = int(w.get("device_bytes_in_use") or 0)
     device_max = int(w.get("device_pool_size") or 0) or 1
     window, capacity = w.get("in_flight", 0), w.get("window_capacity", 0) or 1
+    idle, results_max = int(w.get("result_bytes_idle") or 0), int(w.get("result_pool_size") or 0)
     return {
         "name": _POOLS,
-        "used": [min(1.2, pinned / pinned_max), min(1.2, device / device_max), window / capacity],
+        "used": [
+            min(1.2, pinned / pinned_max),
+            min(1.2, device / device_max),
+            window / capacity,
+            min(1.2, idle / (results_max or 1)),
+        ],
         "text": [
             f"{format_bytes(pinned)} / {format_bytes(pinned_max)}",
             f"{format_bytes(device)} / {format_bytes(device_max)}",
             f"{window} / {capacity} sub-chunks",
+            f"{format_bytes(idle)} idle / {format_bytes(results_max)}" if results_max else "off",
         ],
     }
