@@ -334,3 +334,17 @@ def test_runs_in_turn_make_pairs(monkeypatch):
     ratios = common.pair_ratios(seconds["a"], seconds["b"])
     assert ratios["pairs"] == [2.0, 1.5, 2.0 / 3.0] and ratios["median"] == 1.5
     assert ratios["best"] == 1.5
+
+
+@pytest.mark.timeout(120)
+def test_split_gap_counts_each_run_on_its_own_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    argv = ["--size", "16MiB", "--partition", "4MiB", "--repeat", "2"]
+    result = run("diagnostics/split_gap.py", *argv, record=tmp_path)
+    assert result["correct"] is True and result["device"] == "cpu"
+    assert [r["case"] for r in result["runs"]] == ["split", "whole"] * 2
+    # Each run's counts are its own: its four partitions, not the runs' before it.
+    assert all(r["partitions"] == 4 and r["sub_chunks"] >= 4 for r in result["runs"])
+    assert len(result["split_over_nosplit_pairs"]) == 2
+    (line,) = history(tmp_path)
+    assert line["benchmark"] == "split-gap" and line["figures"]["correct"] is True
