@@ -11,7 +11,8 @@ chunks became (``batch="auto"`` joins small ones), the sub-chunks and the bytes 
 What it prints is counted by the workers' runtimes, over the last timed run only (an
 untimed warm-up runs first). ``--repeat N`` times each path N times, each run under keys of
 its own (so no run is served from a result Dask still holds), alternating which path goes
-first, and reports the medians and their ratio. ``python -m dask_overlap demo --help`` lists
+first, each run's result let go by the workers before the next run starts (as a run in
+one process frees it at once), and reports the medians and their ratio. ``python -m dask_overlap demo --help`` lists
 the knobs.
 """
 
