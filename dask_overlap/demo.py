@@ -12,8 +12,8 @@ What it prints is counted by the workers' runtimes, over the last timed run only
 untimed warm-up runs first). ``--repeat N`` times each path N times, each run under keys of
 its own (so no run is served from a result Dask still holds), alternating which path goes
 first, each run's result let go by the workers before the next run starts (as a run in
-one process frees it at once), and reports the medians and their ratio. ``python -m dask_overlap demo --help`` lists
-the knobs.
+one process frees it at once), and reports the medians and their ratio.
+``python -m dask_overlap demo --help`` lists the knobs.
 """
 
 from __future__ import annotations
