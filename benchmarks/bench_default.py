@@ -50,19 +50,17 @@ from common import (  # noqa: E402
     best_persist,
     byte_count,
     comma_list,
+    default_input,
     device_name,
     engine_busy,
     gaussian_case,
     handwritten_runs,
-    make_kernel,
-    measure_ceilings,
     naive,
     pair_ratios,
     parallel_copy_rate,
     parser,
     persist_chunks,
     persist_in_turn,
-    random_data,
     rss,
     same_chunks,
     save,
@@ -111,14 +109,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     rt = dask_overlap.get_runtime()  # the defaults: no overlap.* setting is touched
     backend = rt.name
-    rows = max(1, args.size // (4 * COLS))
-    rows_per_part = max(1, args.partition // (4 * COLS))
-    host = random_data((rows, COLS))
+    data = default_input(rt, args.size, args.partition)
+    host, rows_per_part, x, func = data.host, data.rows_per_part, data.x, data.func
     nbytes = host.nbytes
-    ceilings, kernel_s_part, iterations = measure_ceilings(rt, host[:rows_per_part], "balanced")
-    func = make_kernel(iterations)
     rates = stage_rates(host[:rows_per_part], rt.copy_threads)
-    x = array_of_views(host, rows_per_part)
 
     reference = naive(x, func)
     split = dask_overlap.map_blocks(func, x, split_axis=0, dtype=np.float32)
@@ -162,11 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
         "partition_bytes": rows_per_part * COLS * 4,
         "pinned_pool_size": rt.options.pinned_pool_size,
         "copy_threads": rt.copy_threads,
-        "kernel_iterations": iterations,
-        "kernel_seconds_per_partition": kernel_s_part,
+        "kernel_iterations": data.iterations,
+        "kernel_seconds_per_partition": data.kernel_seconds,
         "rates_gbps": {
             k: v / GB
-            for k, v in {**ceilings, **rates}.items()
+            for k, v in {**data.ceilings, **rates}.items()
             if isinstance(v, float) and k != "host_cores"
         },
         "naive_gbps": nbytes / naive_s / GB,

@@ -15,6 +15,7 @@ appends one line to ``DIR/history.jsonl`` (see :func:`record`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -1023,6 +1024,37 @@ def copy_only_seconds(host: np.ndarray, rows_per_part: int, repeat: int = 3) -> 
         cp.cuda.Device().synchronize()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultInput:
+    """The default path's input and kernel (see :func:`default_input`)."""
+
+    host: np.ndarray  # the input, pageable float32
+    rows_per_part: int
+    x: da.Array  # ``host`` as a Dask array of views, ``rows_per_part`` rows a block
+    func: Callable[[Any], Any]  # the balanced kernel
+    ceilings: dict  # measure_ceilings' rates
+    kernel_seconds: float  # the kernel on one block
+    iterations: int
+
+
+def default_input(rt: Any, size: int, partition: int) -> DefaultInput:
+    """``size`` bytes of pageable float32 in blocks of ``partition`` bytes, and the balanced
+    kernel measured on one of them: the path users run, as ``bench_default.py`` and the
+    diagnostics that look into it (``result_reuse.py``, ``split_gap.py``) make it."""
+    rows_per_part = max(1, partition // (4 * COLS))
+    host = random_data((max(1, size // (4 * COLS)), COLS))
+    ceilings, kernel_s, iterations = measure_ceilings(rt, host[:rows_per_part], "balanced")
+    return DefaultInput(
+        host,
+        rows_per_part,
+        array_of_views(host, rows_per_part),
+        make_kernel(iterations),
+        ceilings,
+        kernel_s,
+        iterations,
+    )
 
 
 def measure_ceilings(rt: Any, block: np.ndarray, workload: str) -> tuple[dict, float, int]:

@@ -48,16 +48,13 @@ from common import (  # noqa: E402
     GB,
     add_output,
     add_repeat,
-    array_of_views,
     byte_count,
+    default_input,
     device_name,
     handwritten_runs,
-    make_kernel,
-    measure_ceilings,
     pair_ratios,
     parser,
     persist_chunks,
-    random_data,
     rss,
     same_chunks,
     save,
@@ -99,13 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     rt = dask_overlap.get_runtime()
     backend = rt.name
-    rows = max(1, args.size // (4 * COLS))
-    rows_per_part = max(1, args.partition // (4 * COLS))
-    host = random_data((rows, COLS))
+    data = default_input(rt, args.size, args.partition)
+    host, rows_per_part, x, func = data.host, data.rows_per_part, data.x, data.func
     nbytes = host.nbytes
-    _, _, iterations = measure_ceilings(rt, host[:rows_per_part], "balanced")
-    func = make_kernel(iterations)
-    x = array_of_views(host, rows_per_part)
     arrays = {
         "split": dask_overlap.map_blocks(func, x, split_axis=0, dtype=np.float32),
         "whole": dask_overlap.map_blocks(func, x, dtype=np.float32),

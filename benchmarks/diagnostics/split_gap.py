@@ -31,15 +31,12 @@ from common import (  # noqa: E402
     GB,
     add_output,
     add_repeat,
-    array_of_views,
     byte_count,
+    default_input,
     device_name,
-    make_kernel,
-    measure_ceilings,
     naive,
     parser,
     persist_chunks,
-    random_data,
     same_chunks,
     save,
     warm_up,
@@ -73,13 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     rt = dask_overlap.get_runtime()  # the defaults: no overlap.* setting is touched
-    rows = max(1, args.size // (4 * COLS))
-    rows_per_part = max(1, args.partition // (4 * COLS))
-    host = random_data((rows, COLS))
-    nbytes = host.nbytes
-    _, _, iterations = measure_ceilings(rt, host[:rows_per_part], "balanced")
-    func = make_kernel(iterations)
-    x = array_of_views(host, rows_per_part)
+    data = default_input(rt, args.size, args.partition)
+    x, func, nbytes = data.x, data.func, data.host.nbytes
     arrays = {
         "split": dask_overlap.map_blocks(func, x, split_axis=0, dtype=np.float32),
         "whole": dask_overlap.map_blocks(func, x, dtype=np.float32),
@@ -111,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": device_name(rt.name),
         "backend": rt.name,
         "size_bytes": nbytes,
-        "partition_bytes": rows_per_part * COLS * 4,
+        "partition_bytes": data.rows_per_part * COLS * 4,
         "correct": correct,
         "runs": runs,
         "split_gbps": best["split"],
