@@ -804,6 +804,42 @@ def engine_busy(spans: Iterable, start: float, end: float) -> dict[str, float]:
     return out
 
 
+#: What :func:`counted` reads of a runtime's ``stats()``: partitions and sub-chunks (a
+#: partition cut by ``sub-chunk-bytes: auto`` runs more than one), the seconds its tasks
+#: waited on the window, the pinned ring full and waited on, blocks that fell back to
+#: pageable copies (and of those, the ones the pinned allocator refused although its
+#: budget had room: a fragmented pool), results made in reused and in fresh memory.
+COUNTED = (
+    "partitions",
+    "sub_chunks",
+    "backpressure_seconds",
+    "ring_full",
+    "ring_waits",
+    "pinned_fallbacks",
+    "pinned_refused",
+    "results_reused",
+    "results_fresh",
+)
+
+
+def counted(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What a runtime counted between two of its ``stats()``: :data:`COUNTED` and each
+    stage's busy seconds.
+
+    Examples
+    --------
+    >>> a = dict.fromkeys(COUNTED, 0) | {"busy_seconds": {"h2d": 1.0}}
+    >>> b = dict.fromkeys(COUNTED, 2) | {"busy_seconds": {"h2d": 1.5, "d2h": 0.5}}
+    >>> c = counted(a, b)
+    >>> c["partitions"], c["busy_seconds"]
+    (2, {'h2d': 0.5, 'd2h': 0.5})
+    """
+    out: dict[str, Any] = {k: after[k] - before[k] for k in COUNTED}
+    busy0 = before["busy_seconds"]
+    out["busy_seconds"] = {k: v - busy0.get(k, 0.0) for k, v in after["busy_seconds"].items()}
+    return out
+
+
 # -- the bound ---------------------------------------------------------------------------
 
 

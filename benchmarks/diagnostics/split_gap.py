@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     add_output,
     add_repeat,
     byte_count,
+    counted,
     default_input,
     device_name,
     naive,
@@ -43,22 +44,6 @@ from common import (  # noqa: E402
 )
 
 BENCHMARK = "split-gap"
-COUNTED = (
-    "partitions",
-    "sub_chunks",
-    "backpressure_seconds",
-    "ring_full",
-    "results_reused",
-    "results_fresh",
-)
-
-
-def counted(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """What the runtime counted between two of its ``stats()``."""
-    out: dict[str, Any] = {k: after[k] - before[k] for k in COUNTED}
-    busy0 = before["busy_seconds"]
-    out["busy_seconds"] = {k: v - busy0.get(k, 0.0) for k, v in after["busy_seconds"].items()}
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
