@@ -275,7 +275,13 @@ def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
     pinned = rows["pinned"]
     assert len(pinned["runs"]) == len(pinned["ratio_each_run"]) == 2
     assert pinned["gbps"] == min(r["gbps"] for r in pinned["runs"])
-    assert rows["compute"]["bound_stage"] == "kernel"
+    # The compute case's kernel is the slowest of the device's stages. (On the host
+    # backend every stage also shares the same cores, and whether their sum, "host_cpu",
+    # or the kernel alone is the bound depends on the rates this machine measured.)
+    stages = rows["compute"]["stages_gbps"]
+    engines = {k: v for k, v in stages.items() if k != "host_cpu"}
+    assert min(engines, key=engines.get) == "kernel", stages
+    assert rows["compute"]["bound_stage"] in ("kernel", "host_cpu")
     assert rows["small_512kiB_host"]["partitions"] == 4
     assert rows["gaussian3d"]["volume_shape"] == [8, 512, 512]
     assert rows["demo"]["worker_backends"] == ["host"] and rows["demo"]["reference_correct"]
