@@ -275,34 +275,13 @@ def test_parse_devices_and_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None
     assert _parse_nvidia_smi(smi) == ["0", "1"]
 
 
-def test_worker_layout_rotates_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_layout_rotates_devices() -> None:
     opts = Options.from_config(backend="host")
     layout = WorkerLayout(4, ("0", "1", "2"), opts)
     envs = [layout.env(i)["CUDA_VISIBLE_DEVICES"] for i in range(4)]
     assert envs == ["0,1,2", "1,2,0", "2,0,1", "0,1,2"]
-    queues = {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    assert WorkerLayout(2, ("0", "0"), opts).env(1) == {"CUDA_VISIBLE_DEVICES": "0", **queues}
-    assert WorkerLayout(2, (), opts).env(1) == {}  # no GPU: no CUDA variable either
-
-
-def test_a_gpu_worker_gets_a_hardware_queue_per_stream_unless_the_user_chose(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from dask_overlap.backends.cuda_connections import CONNECTIONS, ensure_connections
-
-    layout = WorkerLayout(1, ("0",), Options.from_config(backend="host"))
-    # (set, then unset: the variable this test sets goes again at its end)
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    # At least the runtime's streams, each on a hardware queue of its own.
-    assert CONNECTIONS >= Options.from_config().streams
-    assert layout.env(0)["CUDA_DEVICE_MAX_CONNECTIONS"] == str(CONNECTIONS)
-    assert ensure_connections() == str(CONNECTIONS) == os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
-    # A value the user set: inherited by the workers, not replaced.
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in layout.env(0)
-    assert ensure_connections() == "1"
+    assert WorkerLayout(2, ("0", "0"), opts).env(1) == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert WorkerLayout(2, (), opts).env(1) == {}
 
 
 def test_plan_workers() -> None:

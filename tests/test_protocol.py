@@ -228,13 +228,11 @@ def test_a_fetch_limit_the_user_set_is_kept() -> None:
 
 def test_a_ucx_layout_carries_the_transports(fake_ucx, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("UCX_TLS", raising=False)
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     host = Options.from_config(backend="host")
     gpu = plan_workers(cuda_visible_devices="0,1", options=host, protocol="ucxx")
     assert gpu.protocol == "ucxx"
     assert gpu.env(1) == {
         "CUDA_VISIBLE_DEVICES": "1,0",
-        "CUDA_DEVICE_MAX_CONNECTIONS": "32",
         "UCX_TLS": GPU_UCX_TLS,
         "UCX_SOCKADDR_TLS_PRIORITY": "tcp",
     }

@@ -30,7 +30,6 @@ import rmm.mr
 
 from ..config import Options
 from .base import requested_bytes
-from .cuda_connections import ensure_connections
 from .cuda_memory import SCRATCH, PinnedPool, device_pool, scratch_cache
 from .cuda_streams import CudaStream
 from .cuda_trace import EventTrace
@@ -103,10 +102,6 @@ class CudaBackend:
 
     def __init__(self, options: Options):
         self.options = options
-        # One hardware queue per stream (see cuda_connections), before anything here makes
-        # this process's context (the device pool, the pinned pool); a context made
-        # already keeps the queues it has.
-        ensure_connections()
         self.device_id = cupy.cuda.runtime.getDevice()
         self._device = cupy.cuda.Device(self.device_id)
         self._device_mr = device_pool(

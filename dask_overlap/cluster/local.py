@@ -31,7 +31,6 @@ from distributed import LocalCluster, WorkerPlugin
 from distributed.protocol.pickle import dumps
 from distributed.worker_memory import parse_memory_limit
 
-from ..backends.cuda_connections import connections_env
 from ..config import Options, check_positive_int
 from ..dashboard import OverlapSchedulerPlugin
 from .affinity import CPUAffinity, gpu_cores, nvml, process_cores
@@ -175,18 +174,16 @@ class WorkerLayout:
     ucx: UCXSettings | None = None
 
     def env(self, i: int) -> dict[str, str]:
-        """Environment of worker ``i``: its GPU first, then the others in turn, and a
-        hardware queue per stream (``CUDA_DEVICE_MAX_CONNECTIONS``, unless this process
-        sets it: see :mod:`dask_overlap.backends.cuda_connections`); with UCX, its
-        transports (``UCX_TLS``, see :mod:`dask_overlap.cluster.ucx`).
+        """Environment of worker ``i``: its GPU first, then the others in turn; with UCX,
+        its transports (``UCX_TLS``, see :mod:`dask_overlap.cluster.ucx`).
 
         Workers beyond the number of GPUs share them in turn (``i`` modulo the count).
 
         Examples
         --------
         >>> layout = WorkerLayout(3, ("0", "1", "2"), Options.from_config())
-        >>> layout.env(1)["CUDA_VISIBLE_DEVICES"]
-        '1,2,0'
+        >>> layout.env(1)
+        {'CUDA_VISIBLE_DEVICES': '1,2,0'}
         """
         env = {} if self.ucx is None else self.ucx.env()
         if not self.devices:
@@ -194,12 +191,7 @@ class WorkerLayout:
         k = i % len(self.devices)
         rotated = self.devices[k:] + self.devices[:k]
         # A device listed twice (two workers on one GPU) must not repeat in one list.
-        # A hardware queue per stream, from the worker's first CUDA context on.
-        return {
-            "CUDA_VISIBLE_DEVICES": ",".join(dict.fromkeys(rotated)),
-            **connections_env(),
-            **env,
-        }
+        return {"CUDA_VISIBLE_DEVICES": ",".join(dict.fromkeys(rotated)), **env}
 
     @property
     def threads_per_worker(self) -> int:
