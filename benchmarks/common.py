@@ -234,6 +234,8 @@ def gpu_test_counts(log: str) -> dict[str, int | bool]:
     --------
     >>> gpu_test_counts("== 1 failed, 9 passed, 2 skipped, 40 deselected in 3.1s ==")
     {'passed': 9, 'failed': 1, 'skipped': 2, 'errors': 0, 'complete': True}
+    >>> gpu_test_counts("....  [ 40%]\\n..x.s.X  [ 90%]\\n.")  # cut short; x, X: xfail, xpass
+    {'passed': 9, 'failed': 0, 'skipped': 1, 'errors': 0, 'complete': False}
     """
     counts: dict[str, int | bool] = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     lines = [line for line in log.splitlines() if not line.startswith("#")]
@@ -247,7 +249,7 @@ def gpu_test_counts(log: str) -> dict[str, int | bool]:
             counts["errors" if word.startswith("error") else word] += int(n)
     if not summaries:  # cut short: count the progress marks ("..s.F... [ 48%]")
         for line in lines:
-            marks = re.fullmatch(r"([.sFE]+)(\s+\[\s*\d+%\])?", line.strip())
+            marks = re.fullmatch(r"([.sFExX]+)(\s+\[\s*\d+%\])?", line.strip())
             if marks:
                 for mark, key in (
                     (".", "passed"),
