@@ -25,7 +25,8 @@ and the rows they write:
 - ``gaussian3d``: a 3-D ``gaussian_filter`` (sigma 2, no halo) on a volume of 512 x 512
   planes in ``--partition`` blocks, ``dask_overlap.map_blocks`` with no split, against
   the default path's elementwise figure on the same blocks (the balanced kernel, no
-  split); also the filter alone on one block resident on the device;
+  split), each after an untimed whole run, with what the runtime ``counted`` over each
+  one's timed runs; also the filter alone on one block resident on the device;
 - ``demo``: the demo's run (``python -m dask_overlap demo``): a ``LocalGPUCluster`` with
   its defaults, input made on the workers in ``--partition`` chunks (the demo's own at
   4 GiB: a sixteenth), the demo's kernel with ``split_axis=0``, each best of ``--repeat``,
@@ -37,8 +38,10 @@ and the rows they write:
   threads (the best kept), against the bound;
 - ``pinned``: the opt-in pinned path, as ``bench_overlap.py``'s balanced-pinned case:
   pinned input, ``out="pinned"``, ``--threads`` Dask threads, a pool that holds the
-  results, ``--pinned-repeat`` runs, each reported in ``runs``; the row's ``gbps`` and
-  ``ratio`` are the slowest run's (the target holds for every run);
+  results, ``--pinned-repeat`` runs, each reported in ``runs`` (with each stage's share
+  of its wall, ``engine_busy``, what the runtime ``counted`` over it, and whose CPU time
+  it used, ``thread_cpu_seconds``); the row's ``gbps`` and ``ratio`` are the slowest
+  run's (the target holds for every run);
 - ``compute``: the same with a kernel three times one partition's H2D, the best run.
 
 The bound of a row is its slowest stage at rates measured in this run
@@ -116,6 +119,8 @@ from common import (  # noqa: E402
     random_data,
     same_chunks,
     save,
+    thread_cpu,
+    thread_cpu_since,
     warm_then_time,
     warm_up,
 )
@@ -420,7 +425,7 @@ def pinned_runs(
             warm_up(arr, scheduler="threads", num_workers=t)
             for _ in range(repeat):
                 got = None  # the last run's results leave the pool first
-                before = rt.stats()
+                before, threads0 = rt.stats(), thread_cpu()
                 rt.timeline.clear()
                 start, cpu0 = time.time(), time.process_time()
                 with GcPauses() as pauses:
@@ -438,6 +443,9 @@ def pinned_runs(
                         # engine's) and what the runtime counted over it
                         "engine_busy": engine_busy(list(rt.timeline), start, start + seconds),
                         "counted": counted(before, rt.stats()),
+                        # whose CPU time it was, by thread (a slow run's extra CPU time
+                        # went somewhere: H100, 10-12 ms a partition against about 5)
+                        "thread_cpu_seconds": thread_cpu_since(threads0),
                     }
                 )
             del got

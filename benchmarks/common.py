@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -630,6 +631,45 @@ class GcPauses:
 
     def summary(self) -> dict[str, Any]:
         return {"passes": list(self.passes), "ms": self.seconds * 1e3}
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user and system) each thread of this process has used so far, by its
+    kernel id, with its Python name stripped of trailing numbers (the copy threads under
+    one name, the threaded scheduler's under another); threads Python did not start (the
+    CUDA driver's, say) are ``"native"``. Empty where ``/proc`` has no threads (not Linux).
+
+    Examples
+    --------
+    >>> names = {name for name, _ in thread_cpu().values()}
+    >>> "MainThread" in names or not names
+    True
+    """
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended since the listing
+            continue
+        name = re.sub(r"([-_]\d+)+$", "", names.get(tid, "native"))
+        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
+    return out
+
+
+def thread_cpu_since(before: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds used since ``before`` (a :func:`thread_cpu`), summed by thread name,
+    most first: which threads a slow run's extra CPU time went to."""
+    spent: dict[str, float] = {}
+    for tid, (name, seconds) in thread_cpu().items():
+        spent[name] = spent.get(name, 0.0) + seconds - before.get(tid, (name, 0.0))[1]
+    return dict(sorted(((k, v) for k, v in spent.items() if v > 0), key=lambda kv: -kv[1]))
 
 
 def rss() -> int:

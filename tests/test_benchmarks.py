@@ -11,6 +11,8 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -245,6 +247,32 @@ def test_ceilings_on_the_cpu(tmp_path, monkeypatch):
     assert {"h2d", "d2h", "staging", "fresh"} <= set(result["rates_gbps"])
 
 
+def test_thread_cpu_says_whose_cpu_time_it_was():
+    """Threads of one name with numbers (a pool's) are summed under it, their CPU time
+    counted from /proc as long as they are alive."""
+    before = common.thread_cpu()
+    done, release = threading.Barrier(3), threading.Event()
+
+    def spin() -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.2:
+            pass
+        done.wait()
+        release.wait(30)  # alive until counted
+
+    threads = [threading.Thread(target=spin, name=f"spinner-{i}_{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    done.wait()
+    spent = common.thread_cpu_since(before)
+    release.set()
+    for t in threads:
+        t.join()
+    assert spent["spinner"] >= 0.35  # two threads of 0.2 s each, counted in clock ticks
+    assert not any(name.startswith("spinner-") for name in spent)
+    assert list(spent.values()) == sorted(spent.values(), reverse=True)
+
+
 @pytest.mark.timeout(300)
 def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
     """Every case of issue 31's table in one call (the demo's cluster too), each row set
@@ -275,6 +303,10 @@ def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
     pinned = rows["pinned"]
     assert len(pinned["runs"]) == len(pinned["ratio_each_run"]) == 2
     assert pinned["gbps"] == min(r["gbps"] for r in pinned["runs"])
+    for r in pinned["runs"]:  # what each run counted, and whose CPU time it used
+        assert r["counted"]["partitions"] == pinned["partitions"], r["counted"]
+        assert all(v > 0 for v in r["thread_cpu_seconds"].values())
+        assert set(r["engine_busy"]) >= {"h2d", "compute", "d2h"}
     # The compute case's kernel is the slowest of the device's stages. (On the host
     # backend every stage also shares the same cores, and whether their sum, "host_cpu",
     # or the kernel alone is the bound depends on the rates this machine measured.)
