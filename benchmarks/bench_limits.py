@@ -26,7 +26,8 @@ and the rows they write:
   planes in ``--partition`` blocks, ``dask_overlap.map_blocks`` with no split, against
   the default path's elementwise figure on the same blocks (the balanced kernel, no
   split), each after an untimed whole run, with what the runtime ``counted`` over each
-  one's timed runs; also the filter alone on one block resident on the device;
+  one's timed runs and their CPU time by thread; also the filter alone on one block
+  resident on the device;
 - ``demo``: the demo's run (``python -m dask_overlap demo``): a ``LocalGPUCluster`` with
   its defaults, input made on the workers in ``--partition`` chunks (the demo's own at
   4 GiB: a sixteenth), the demo's kernel with ``split_axis=0``, each best of ``--repeat``,
@@ -303,9 +304,12 @@ def case_gaussian3d(args: argparse.Namespace) -> dict[str, dict]:
         # 32 results of its two runs in fresh memory, the elementwise kernel after it none
         # (H100, 2026-12-06).
         persist_chunks(ours, **THREADED)
-        before = rt.stats()
+        before, threads0 = rt.stats(), thread_cpu()
         seconds[name], got = best_persist(ours, args.repeat, **THREADED)
         runtime_counted[name] = counted(before, rt.stats())  # over its timed runs
+        # whose CPU time they took: the filter's Python (cupyx builds its weights and
+        # launches three passes a call) runs on the task threads, under the GIL
+        runtime_counted[name]["thread_cpu_seconds"] = thread_cpu_since(threads0)
         correct[name] = same_chunks(ref, got)
         del ref, got
     gbps = {k: host.nbytes / s / GB for k, s in seconds.items()}
@@ -648,12 +652,43 @@ def report(result: dict[str, Any]) -> None:
     print(f"\n{result['device']} ({result['backend']}): {format_bytes(result['size_bytes'])}")
     for name, r in result["rows"].items():
         print(row_line(name, r))
+    for line in cpu_lines(result["rows"]):
+        print(line)
     total = sum(result["case_seconds"].values())
     print(
         f"  ({total:.0f} s: "
         + ", ".join(f"{k} {v:.0f}" for k, v in result["case_seconds"].items())
         + ")"
     )
+
+
+def cpu_lines(rows: dict[str, dict]) -> list[str]:
+    """Whose CPU time the pinned path's slowest run and each gaussian3d variant's timed
+    runs took, the three threads that took most (see ``thread_cpu_seconds``).
+
+    Examples
+    --------
+    >>> runs = [{"gbps": 40.0, "thread_cpu_seconds": {"a": 0.5}},
+    ...         {"gbps": 30.0, "thread_cpu_seconds": {"b": 1.0, "a": 0.25}}]
+    >>> cpu_lines({"pinned": {"runs": runs}})
+    ['  pinned slowest run, CPU s by thread: b 1.00, a 0.25']
+    """
+
+    def top(spent: dict[str, float]) -> str:
+        found = ", ".join(f"{k} {v:.2f}" for k, v in list(spent.items())[:3])
+        return found or "none a clock tick long"
+
+    lines = []
+    runs = rows.get("pinned", {}).get("runs")
+    if runs and "thread_cpu_seconds" in runs[0]:
+        slowest = min(runs, key=lambda r: r["gbps"])
+        lines.append(f"  pinned slowest run, CPU s by thread: {top(slowest['thread_cpu_seconds'])}")
+    for variant, got in rows.get("gaussian3d", {}).get("counted", {}).items():
+        if "thread_cpu_seconds" in got:
+            lines.append(
+                f"  gaussian3d {variant}, CPU s by thread: {top(got['thread_cpu_seconds'])}"
+            )
+    return lines
 
 
 def row_line(name: str, r: dict[str, Any]) -> str:

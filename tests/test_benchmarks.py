@@ -316,6 +316,10 @@ def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
     assert rows["compute"]["bound_stage"] in ("kernel", "host_cpu")
     assert rows["small_512kiB_host"]["partitions"] == 4
     assert rows["gaussian3d"]["volume_shape"] == [8, 512, 512]
+    for variant in ("filter", "elementwise"):  # over its timed runs alone
+        got = rows["gaussian3d"]["counted"][variant]
+        assert got["partitions"] == 4 and got["pinned_refused"] == 0, got  # 4 blocks, 1 run
+        assert all(v > 0 for v in got["thread_cpu_seconds"].values())
     assert rows["demo"]["worker_backends"] == ["host"] and rows["demo"]["reference_correct"]
     assert rows["demo"]["over_default_split"] == pytest.approx(
         rows["demo"]["gbps"] / rows["default_split"]["gbps"]
