@@ -645,13 +645,13 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
     >>> "MainThread" in names or not names
     True
     """
-    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     out: dict[int, tuple[str, float]] = {}
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         return out
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK")  # (there is a /proc: Linux)
     for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
@@ -665,7 +665,8 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
 
 def thread_cpu_since(before: dict[int, tuple[str, float]]) -> dict[str, float]:
     """CPU seconds used since ``before`` (a :func:`thread_cpu`), summed by thread name,
-    most first: which threads a slow run's extra CPU time went to."""
+    most first: which threads a slow run's extra CPU time went to. A thread that ended in
+    between is not counted (the pools' threads live as long as their runtime)."""
     spent: dict[str, float] = {}
     for tid, (name, seconds) in thread_cpu().items():
         spent[name] = spent.get(name, 0.0) + seconds - before.get(tid, (name, 0.0))[1]
