@@ -105,6 +105,7 @@ from common import (  # noqa: E402
     engine_busy,
     equals_plain_dask,
     gaussian_case,
+    gaussian_volume,
     handwritten_runs,
     keys_of,
     make_kernel,
@@ -250,16 +251,6 @@ def case_gaussian1d(args: argparse.Namespace) -> dict[str, dict]:
 
 
 # -- a real filter on whole partitions ---------------------------------------------------
-
-
-def gaussian_volume(block: Any) -> Any:
-    """A 3-D ``gaussian_filter`` (sigma 2, boundary ``reflect``) of a block, on CuPy or
-    NumPy alike: every output point reads its neighbours along every axis."""
-    if isinstance(block, np.ndarray):
-        from scipy.ndimage import gaussian_filter
-    else:
-        from cupyx.scipy.ndimage import gaussian_filter
-    return gaussian_filter(block, 2.0)
 
 
 def filter_alone_gbps(block: np.ndarray, backend: str, repeat: int = 3) -> float:

@@ -559,6 +559,16 @@ def gaussian_rows(block: Any) -> Any:
     return gaussian_filter1d(block, sigma=8.0, axis=-1)
 
 
+def gaussian_volume(block: Any) -> Any:
+    """A 3-D ``gaussian_filter`` (sigma 2, boundary ``reflect``) of a block, on CuPy or
+    NumPy alike: every output point reads its neighbours along every axis."""
+    if isinstance(block, np.ndarray):
+        from scipy.ndimage import gaussian_filter
+    else:
+        from cupyx.scipy.ndimage import gaussian_filter
+    return gaussian_filter(block, 2.0)
+
+
 def gaussian_case(nbytes: int, rows_per_part: int, repeat: int = 2) -> dict[str, Any]:
     """:func:`gaussian_rows` over ``nbytes`` of pageable float32 in partitions of
     ``rows_per_part`` rows: naive Dask + CuPy against ``dask_overlap.map_blocks`` with

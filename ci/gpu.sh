@@ -7,9 +7,10 @@
 # a run, copy the current files into benchmarks/results/ and append $OUT/history.jsonl to
 # benchmarks/results/history.jsonl (pytest's log stays out of git).
 #
-#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits|halo|reuse]...
+#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits|halo|reuse|pool]...
 #   (peak: PEAK_ARGS, PEAK_LIMIT; pipeline: PIPELINE_ARGS, PIPELINE_LIMIT; limits: LIMITS_ARGS,
-#   LIMITS_LIMIT; halo: HALO_ARGS, HALO_LIMIT; reuse: REUSE_ARGS, REUSE_LIMIT)
+#   LIMITS_LIMIT; halo: HALO_ARGS, HALO_LIMIT; reuse: REUSE_ARGS, REUSE_LIMIT; pool: POOL_ARGS,
+#   POOL_LIMIT)
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -147,6 +148,14 @@ run_reuse() {
         --record "$OUT" ${REUSE_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 14 || status=1
 }
 
+run_pool() {
+    # Issue 31's 3-D filter: the device pool's reuse across streams, three resources in
+    # processes of their own, in turn (pool-reuse.json).
+    log "pool: pool_reuse.py ${POOL_ARGS:-}"
+    timeout "${POOL_LIMIT:-240}" python3 benchmarks/diagnostics/pool_reuse.py \
+        --record "$OUT" ${POOL_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 16 || status=1
+}
+
 run_halo() {
     # A filter with halos (issue 30): map_overlap against the naive path, the padded blocks
     # built on the host, and the same filter with no halo.
@@ -252,9 +261,10 @@ for step in "${steps[@]}"; do
         limits) run_limits ;;
         halo) run_halo ;;
         reuse) run_reuse ;;
+        pool) run_pool ;;
         small) run_small ;;
         floor) run_floor ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits|halo|reuse]..."; exit 2 ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits|halo|reuse|pool]..."; exit 2 ;;
     esac
 done
 log "done, status $status"

@@ -390,3 +390,44 @@ def test_split_gap_counts_each_run_on_its_own_on_the_cpu(tmp_path, monkeypatch):
     assert len(result["split_over_nosplit_pairs"]) == 2
     (line,) = history(tmp_path)
     assert line["benchmark"] == "split-gap" and line["figures"]["correct"] is True
+
+
+@pytest.mark.timeout(180)
+def test_pool_reuse_runs_each_round_in_a_process_of_its_own_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    argv = ["--backend", "host", "--size", "8MiB", "--partition", "2MiB", "--rounds", "2"]
+    result = run("diagnostics/pool_reuse.py", *argv, "--repeat", "1", record=tmp_path)
+    # On the host backend there is no device pool: only the library's mode runs.
+    assert result["device"] == "cpu" and result["modes"] == ["library"]
+    rows = result["compared"]["library"]
+    assert set(rows) == {"filter", "elementwise", "elementwise_split"}
+    assert all(r["correct"] and r["over_library_each_round"] == [1.0, 1.0] for r in rows.values())
+    # Each round's counts are its own process's timed run: 8 MiB in four 2 MiB blocks.
+    for variant in rows:
+        counts = [r["library"]["variants"][variant]["counted"] for r in result["rounds"]]
+        assert [c["partitions"] for c in counts] == [4, 4]
+    (line,) = history(tmp_path)  # the children write no line of their own
+    assert line["benchmark"] == "pool-reuse"
+    variants = ("filter", "elementwise", "elementwise_split")
+    assert set(line["figures"]) == {f"library_{v}" for v in variants}
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--modes", "no-internal-deps"], "--modes: only library runs on the host backend"),
+        (["--modes", "library,nope"], "--modes: expected a comma list of library"),
+        (["--partition", "64KiB"], "--partition: expected at least one 1 MiB plane"),
+        (["--rounds", "0"], "--rounds: expected an integer of at least 1, got 0"),
+    ],
+)
+def test_pool_reuse_refuses_bad_arguments_before_any_work(argv, words):
+    script = BENCHMARKS / "diagnostics" / "pool_reuse.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--backend", "host", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and words in out.stderr
+    assert "== round" not in out.stdout  # no process started
