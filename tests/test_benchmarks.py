@@ -431,3 +431,26 @@ def test_pool_reuse_refuses_bad_arguments_before_any_work(argv, words):
     )
     assert out.returncode == 2 and words in out.stderr
     assert "== round" not in out.stdout  # no process started
+
+
+def test_pool_reuse_compares_every_mode_with_the_library_round_by_round():
+    sys.path.insert(0, str(BENCHMARKS / "diagnostics"))
+    import pool_reuse
+
+    def mode(*gbps: float, correct: bool = True) -> dict:
+        names = ("filter", "elementwise")
+        pairs = zip(names, gbps, strict=True)
+        return {"variants": {n: {"gbps": g, "correct": correct} for n, g in pairs}}
+
+    rounds = [
+        {"library": mode(10.0, 20.0), "no-internal-deps": mode(12.0, 20.0)},
+        {"library": mode(8.0, 20.0), "no-internal-deps": mode(12.0, 10.0, correct=False)},
+    ]
+    got = pool_reuse.compare(rounds)
+    filt = got["no-internal-deps"]["filter"]
+    assert filt["gbps_each_round"] == [12.0, 12.0] and filt["best_gbps"] == 12.0
+    assert filt["over_library_each_round"] == [1.2, 1.5] and filt["over_library_median"] == 1.35
+    assert got["no-internal-deps"]["elementwise"]["over_library_each_round"] == [1.0, 0.5]
+    # One wrong round makes the variant wrong; the library's own ratios are 1.
+    assert not got["no-internal-deps"]["elementwise"]["correct"] and filt["correct"] is False
+    assert got["library"]["filter"]["over_library_each_round"] == [1.0, 1.0]
