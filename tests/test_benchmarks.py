@@ -454,3 +454,14 @@ def test_pool_reuse_compares_every_mode_with_the_library_round_by_round():
     # One wrong round makes the variant wrong; the library's own ratios are 1.
     assert not got["no-internal-deps"]["elementwise"]["correct"] and filt["correct"] is False
     assert got["library"]["filter"]["over_library_each_round"] == [1.0, 1.0]
+    # A mode whose process failed is left out of the rounds it failed in, and a mode that
+    # failed in every round keeps only its error; the library failing leaves no ratio.
+    failed = {"mode": "rmm-pool", "error": "its process exited with 1"}
+    rounds[0]["rmm-pool"], rounds[1]["rmm-pool"] = failed, mode(16.0, 20.0)
+    rounds[0]["library"] = {"mode": "library", "error": "its process exited with 1"}
+    got = pool_reuse.compare(rounds)
+    assert got["rmm-pool"]["filter"]["gbps_each_round"] == [16.0]
+    assert got["rmm-pool"]["filter"]["over_library_each_round"] == [2.0]
+    assert got["library"]["filter"]["gbps_each_round"] == [8.0]
+    rounds[1]["rmm-pool"] = failed
+    assert pool_reuse.compare(rounds)["rmm-pool"] == {"error": "its process exited with 1"}

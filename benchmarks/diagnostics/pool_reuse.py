@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 from typing import Any
 
@@ -177,19 +178,28 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare(rounds: list[dict[str, dict]]) -> dict[str, Any]:
-    """Per mode and variant: GB/s of each round, the best, and each round's ratio to
-    ``library``'s (where it ran) with their median."""
+    """Per mode and variant: GB/s of each round the mode ran in, the best, whether every
+    run was right, and each round's ratio to ``library``'s (of the rounds both ran in)
+    with their median. A mode whose process failed in every round has only its
+    ``error``."""
     out: dict[str, Any] = {}
     for mode in rounds[0]:
+        ran = [r for r in rounds if "error" not in r[mode]]
+        if not ran:
+            out[mode] = {"error": rounds[0][mode]["error"]}
+            continue
         out[mode] = {}
-        for variant in rounds[0][mode]["variants"]:
-            gbps = [r[mode]["variants"][variant]["gbps"] for r in rounds]
+        for variant in ran[0][mode]["variants"]:
+            gbps = [r[mode]["variants"][variant]["gbps"] for r in ran]
             row: dict[str, Any] = {"gbps_each_round": gbps, "best_gbps": max(gbps)}
-            if "library" in rounds[0]:
-                lib = [r["library"]["variants"][variant]["gbps"] for r in rounds]
-                row["over_library_each_round"] = [g / b for g, b in zip(gbps, lib, strict=True)]
+            both = [r for r in ran if "library" in r and "error" not in r["library"]]
+            if both:
+                row["over_library_each_round"] = [
+                    r[mode]["variants"][variant]["gbps"] / r["library"]["variants"][variant]["gbps"]
+                    for r in both
+                ]
                 row["over_library_median"] = statistics.median(row["over_library_each_round"])
-            row["correct"] = all(r[mode]["variants"][variant]["correct"] for r in rounds)
+            row["correct"] = all(r[mode]["variants"][variant]["correct"] for r in ran)
             out[mode][variant] = row
     return out
 
@@ -240,7 +250,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for mode in args.modes:
             print(f"== round {r + 1}, {mode}", flush=True)
             env = {"DASK_OVERLAP__DEVICE_MEMORY_RESOURCE": "pool"} if mode == "rmm-pool" else {}
-            got[mode] = run_script(__file__, [*common_argv, "--mode", mode], env=env)
+            try:
+                got[mode] = run_script(__file__, [*common_argv, "--mode", mode], env=env)
+            except subprocess.CalledProcessError as e:  # its output is above; the others run
+                got[mode] = {"mode": mode, "error": f"its process exited with {e.returncode}"}
+                print(f"  {mode}: {got[mode]['error']}", flush=True)
+                continue
             for variant, v in got[mode]["variants"].items():
                 print(f"  {variant:18s} {v['gbps']:7.2f} GB/s  correct={v['correct']}", flush=True)
         rounds.append(got)
@@ -254,11 +269,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "compared": compare(rounds),
     }
     report(result)
-    figures = {
-        f"{mode}_{variant}": {k: row[k] for k in ("best_gbps", "over_library_median") if k in row}
-        for mode, variants in result["compared"].items()
-        for variant, row in variants.items()
-    }
+    figures: dict[str, Any] = {}
+    for mode, variants in result["compared"].items():
+        if "error" in variants:
+            figures[mode] = variants
+            continue
+        for variant, row in variants.items():
+            kept = ("best_gbps", "over_library_median", "correct")
+            figures[f"{mode}_{variant}"] = {k: row[k] for k in kept if k in row}
     save(args, BENCHMARK, result, figures, result["device"])
     return result
 
@@ -266,6 +284,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def report(result: dict[str, Any]) -> None:
     print(f"\n{result['device']}: {result['size_bytes'] / 2**30:.2f} GiB, by mode (best GB/s)")
     for mode, variants in result["compared"].items():
+        if "error" in variants:
+            print(f"  {mode:17s} did not run: {variants['error']}")
+            continue
         for variant, row in variants.items():
             ratio = row.get("over_library_median")
             print(
