@@ -153,7 +153,7 @@ run_pool() {
     # processes of their own, in turn (pool-reuse.json).
     log "pool: pool_reuse.py ${POOL_ARGS:-}"
     timeout "${POOL_LIMIT:-240}" python3 benchmarks/diagnostics/pool_reuse.py \
-        --record "$OUT" ${POOL_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 16 || status=1
+        --record "$OUT" ${POOL_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 40 || status=1
 }
 
 run_halo() {
