@@ -123,6 +123,17 @@ def run(script: str, *argv: str, record: Path) -> dict:
     return common.run_script(BENCHMARKS / script, [*argv, "--record", str(record)])
 
 
+def refused(script: str, *argv: str) -> subprocess.CompletedProcess:
+    """``script`` run on the host backend with ``argv``, its output kept: for arguments it
+    must refuse before any work."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--backend", "host", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.timeout(120)
 def test_bench_default_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -341,13 +352,7 @@ def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
     ],
 )
 def test_bench_limits_refuses_bad_arguments_before_any_work(argv, words):
-    script = BENCHMARKS / "bench_limits.py"
-    out = subprocess.run(
-        [sys.executable, str(script), "--backend", "host", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = refused("bench_limits.py", *argv)
     assert out.returncode == 2 and words in out.stderr
     assert "==" not in out.stdout  # no case started
 
@@ -422,13 +427,7 @@ def test_pool_reuse_runs_each_round_in_a_process_of_its_own_on_the_cpu(tmp_path,
     ],
 )
 def test_pool_reuse_refuses_bad_arguments_before_any_work(argv, words):
-    script = BENCHMARKS / "diagnostics" / "pool_reuse.py"
-    out = subprocess.run(
-        [sys.executable, str(script), "--backend", "host", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = refused("diagnostics/pool_reuse.py", *argv)
     assert out.returncode == 2 and words in out.stderr
     assert "== round" not in out.stdout  # no process started
 

@@ -209,21 +209,23 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     add_backend(p, "auto", ["auto", "cuda", "host"])
     p.add_argument("--size", type=byte_count, default="4GiB", help="input bytes")
     p.add_argument("--partition", type=byte_count, default="256MiB", help="bytes per block")
-    p.add_argument("--modes", default=",".join(MODES), help="a comma list of modes")
+    p.add_argument(
+        "--modes", default=None, help="a comma list of modes (default: all; library off CUDA)"
+    )
     p.add_argument("--rounds", type=int, default=2, help="rounds of the modes in turn")
     add_repeat(p, 2, "of each variant in a process")
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # a child's one mode
     add_output(p)
     args = p.parse_args(argv)
+    args.backend = resolve_backend(args.backend)
+    if args.modes is None:  # every mode where there is a device pool, else the library's
+        args.modes = ",".join(MODES) if args.backend == "cuda" else "library"
     modes = comma_list(args.modes, str)
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         p.error(f"--modes: expected a comma list of {', '.join(MODES)}, got {args.modes!r}")
-    args.backend = resolve_backend(args.backend)
     if args.backend != "cuda" and modes != ["library"]:
-        if args.modes != ",".join(MODES):  # asked for by name: say why not
-            p.error(f"--modes: only library runs on the {args.backend} backend, got {args.modes!r}")
-        modes = ["library"]
+        p.error(f"--modes: only library runs on the {args.backend} backend, got {args.modes!r}")
     args.modes = modes
     for name in ("rounds", "repeat"):
         if getattr(args, name) < 1:
