@@ -3,8 +3,9 @@
 ``python cuda_trap_script.py MODE KIND``: MODE is ``plain`` (``dask.array.map_blocks``,
 with no dask_overlap import: reproduces the trap), ``guarded`` (the same after
 ``guard_kernel_pickling()``) or ``overlap`` (``dask_overlap.map_blocks``: must work);
-KIND is ``elementwise``, ``reduction`` or ``raw``. Prints ``OK`` and exits 0 when every
-result is right.
+KIND is ``elementwise``, ``reduction``, ``raw`` or ``ufunc`` (``cupy.negative`` itself as
+func, after it ran in the client: its compiled module pickled by value). Prints ``OK`` and
+exits 0 when every result is right.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ extern "C" __global__ void raw_twice(const float* x, float* y, long long n) {
 
 
 def func(b):
+    if KIND == "ufunc":
+        return -b
     if KIND == "elementwise":
         return twice_plus_one(b)
     if KIND == "reduction":
@@ -51,24 +54,32 @@ def main() -> int:
         guard_kernel_pickling()
     x_np = np.arange(64 * 1024, dtype=np.float32).reshape(256, 256)
     func(cp.asarray(x_np[:2]))  # the kernel is compiled and used in the client first
+    want = -x_np if KIND == "ufunc" else 2 * x_np + 1
     x = da.from_array(x_np, chunks=(64, 256))
     for attempt in range(3):
-        if MODE in ("plain", "guarded"):
+        if MODE in ("plain", "guarded") and KIND == "ufunc":
+            on_gpu = x.map_blocks(cp.asarray, meta=cp.empty((0, 0), np.float32))
+            y = da.map_blocks(cp.negative, on_gpu).map_blocks(cp.asnumpy, meta=x._meta)
+        elif MODE in ("plain", "guarded"):
             y = da.map_blocks(lambda b: cp.asnumpy(func(cp.asarray(b))), x, dtype=np.float32)
         else:
             import dask_overlap
 
             y = dask_overlap.map_blocks(
-                func, x, dtype=np.float32, split_axis=0, sub_chunk_bytes=16 * 1024
+                cp.negative if KIND == "ufunc" else func,
+                x,
+                dtype=np.float32,
+                split_axis=0,
+                sub_chunk_bytes=16 * 1024,
             )
         got = y.compute(scheduler="threads")
         gc.collect()
-        if not np.array_equal(got, 2 * x_np + 1):
+        if not np.array_equal(got, want):
             print(f"WRONG attempt={attempt}")
             return 1
     # and the original kernel still works in this thread after the tasks' copies are gone
     gc.collect()
-    assert np.array_equal(cp.asnumpy(func(cp.asarray(x_np))), 2 * x_np + 1)
+    assert np.array_equal(cp.asnumpy(func(cp.asarray(x_np))), want)
     dask.config.refresh()
     print("OK")
     return 0

@@ -34,11 +34,42 @@ class ElementwiseKernel:
         return b * 2 + 1
 
 
-ElementwiseKernel.__module__ = "cupy"
+class ufunc:  # as CuPy's: named after its place (cupy_negative is cupy.negative)
+    made = 0
+
+    def __init__(self, name: str):
+        self.__name__ = name
+        type(self).made += 1
+
+    def __reduce__(self):
+        return ufunc, (self.__name__,)
+
+    def __call__(self, b):
+        return -b
+
+
+class Module:  # a compiled module, which CuPy pickles by value (its handle)
+    made = 0
+
+    def __init__(self):
+        type(self).made += 1
+
+    def __reduce__(self):
+        return Module, ()
+
+
+ElementwiseKernel.__module__ = ufunc.__module__ = "cupy"
 cupy.ElementwiseKernel = ElementwiseKernel
-sys.modules["cupy"] = cupy
+cupy.ufunc = ufunc
+cupy.negative = ufunc("cupy_negative")
+cupy_cuda = types.ModuleType("cupy.cuda")
+cupy.cuda = cupy_cuda.function = types.ModuleType("cupy.cuda.function")
+cupy_cuda.function.Module = Module
+Module.__module__ = "cupy.cuda.function"
+sys.modules.update({"cupy": cupy, "cupy.cuda": cupy_cuda, "cupy.cuda.function": cupy_cuda.function})
 
 import dask_overlap  # noqa: E402
+from dask_overlap.backends.kernel_pickling import kernels_by_reference  # noqa: E402
 
 twice_plus_one = ElementwiseKernel("twice_plus_one")  # a kernel of __main__, as users write
 
@@ -65,6 +96,23 @@ def main() -> None:
     before = ElementwiseKernel.made
     dask.base.tokenize(func, "outside")  # Dask's own tokenize, outside the guard: copies
     print(f"copies_by_plain_tokenize={ElementwiseKernel.made - before}")
+    # A ufunc CuPy publishes pickles by name (any process finds it); one of the user's own,
+    # and a compiled module, as a reference. copyreg is left as it was.
+    made = ufunc.made
+    negated = dask_overlap.map_blocks(cupy.negative, x, split_axis=0)
+    dask.base.tokenize(negated)
+    print(f"ufunc_copies={ufunc.made - made}")
+    own, module = ufunc("my_ufunc"), Module()
+    modules = Module.made
+    with kernels_by_reference():
+        by_name = pickle.dumps(cupy.negative)
+        same = [pickle.loads(by_name) is cupy.negative]
+        same += [pickle.loads(pickle.dumps(o)) is o for o in (own, module)]
+    print(f"ufunc_by_name={b'negative' in by_name and b'cupy_negative' not in by_name}")
+    print(f"same_ufunc_and_module={all(same) and Module.made == modules}")
+    print(f"copyreg_after_all={any(t in copyreg.dispatch_table for t in (ufunc, Module))}")
+    got = negated.compute(scheduler="threads")
+    print(f"ufunc_correct={bool(np.array_equal(got, -np.arange(64.0).reshape(8, 8)))}")
     got = y.compute(scheduler="threads")
     print(f"correct={bool(np.array_equal(got, np.arange(64.0).reshape(8, 8) * 2 + 1))}")
 

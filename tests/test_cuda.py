@@ -385,11 +385,17 @@ def test_guard_pickles_kernels_by_reference() -> None:
     # RawKernel keeps CuPy's own pickling (source, recompiled), which can cross processes.
     raw = cp.RawKernel('extern "C" __global__ void nop() {}', "nop")
     assert pickle.loads(pickle.dumps(raw)) is not raw
+    # A ufunc that ran (its compiled module in its memo) pickles by name: the same object.
+    np.testing.assert_array_equal(cp.asnumpy(cp.negative(cp.arange(3.0))), [-0.0, -1, -2])
+    assert b"negative" in pickle.dumps(cp.negative)
+    assert pickle.loads(pickle.dumps(cp.negative)) is cp.negative
 
 
-@pytest.mark.parametrize("kind", ["elementwise", "reduction", "raw"])
+@pytest.mark.parametrize("kind", ["elementwise", "reduction", "raw", "ufunc"])
 def test_main_module_kernel_trap(kind: str) -> None:
-    """A func closing over a kernel defined in __main__ works inside Dask tasks."""
+    """A func closing over a kernel defined in __main__ works inside Dask tasks, and so
+    does a CuPy ufunc given as func after it ran in the client (``ufunc``: this crashed
+    the process in Dask's tokenize, on an H100)."""
     script = os.path.join(HERE, "cuda_trap_script.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run(

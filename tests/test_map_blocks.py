@@ -562,8 +562,9 @@ def test_zero_length_chunks_and_chained_device_outputs():
 def test_cupy_kernels_are_kept_only_while_dask_overlap_pickles() -> None:
     """The __main__ kernel guard (backends/kernel_pickling.py) is scoped: with a stand-in
     CuPy whose kernels count their copies, building the graph, tokenizing, pickling and
-    copying a partition task make no copy of a kernel func closes over, and ``copyreg``
-    is left as it was (Dask's own tokenize, outside, still copies: the check has teeth)."""
+    copying a partition task make no copy of a kernel func closes over, nor of a CuPy ufunc
+    given as func (which pickles by name), and ``copyreg`` is left as it was (Dask's own
+    tokenize, outside, still copies: the check has teeth)."""
     script = os.path.join(os.path.dirname(__file__), "kernel_scope_script.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run(
@@ -579,6 +580,11 @@ def test_cupy_kernels_are_kept_only_while_dask_overlap_pickles() -> None:
         "copy_shares_func": "True",
         "plain_pickle_copies": "True",
         "copies_by_plain_tokenize": got["copies_by_plain_tokenize"],
+        "ufunc_copies": "0",
+        "ufunc_by_name": "True",
+        "same_ufunc_and_module": "True",
+        "copyreg_after_all": "False",
+        "ufunc_correct": "True",
         "correct": "True",
     }
     assert int(got["copies_by_plain_tokenize"]) > 0

@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from typing import Any
+
+from dask.base import tokenize
 
 from ..config import BACKENDS, Options
 from .base import Backend, HostPool, Stream
@@ -20,6 +23,7 @@ __all__ = [
     "gpu_available",
     "kernels_kept",
     "make_backend",
+    "tokenize_kept",
     "resolve_backend",
 ]
 
@@ -33,6 +37,13 @@ def kernels_kept() -> contextlib.AbstractContextManager:
     from .kernel_pickling import kernels_by_reference
 
     return kernels_by_reference()
+
+
+def tokenize_kept(*args: Any) -> str:
+    """Dask's ``tokenize`` of ``args`` inside :func:`kernels_kept`: for the ``__dask_tokenize__``
+    of anything that holds a user's ``func`` (``tokenize`` pickles it and loads the copy)."""
+    with kernels_kept():
+        return tokenize(*args)
 
 
 @functools.cache

@@ -27,15 +27,30 @@ A first try at scoping (a pickler of the partition task's own, 2827634) failed o
 Seen on the H200 (CuPy 14.2, Dask 2026.8): ElementwiseKernel fails so; ReductionKernel and
 RawKernel closed over the same way work (RawKernel pickles its source and recompiles), so
 they keep their own pickling, which also lets them travel to other processes.
+
+The copy that breaks is the compiled module's: ``cupy.cuda.function.Module`` is a Cython
+class that pickles by value (its handle, as a number), and whose finalizer unloads that
+handle. Any CuPy object that keeps compiled kernels in a memo copies them so, and so does
+a CuPy ufunc (``cupy.negative``, ``cupy.sqrt``: the commonest ``func`` of all) once it has
+run in the process: ``dask_overlap.map_blocks(cupy.negative, x)`` after ``-a`` on a CuPy
+array crashed the process in Dask's ``tokenize`` on an H100 (the second copy unloaded a
+handle the first had unloaded already; CuPy 14.2, Dask 2026.11). So, while entered:
+
+- a CuPy ufunc that CuPy publishes (``cupy.negative``) pickles by its name, which finds the
+  same object in this process and CuPy's own in any other;
+- ``cupy.ElementwiseKernel``, any other ufunc and any ``Module`` pickle as references to
+  the original, which resolve in this process only (elsewhere, a clear error).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copyreg
+import importlib
 import os
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cupy
@@ -46,6 +61,8 @@ __all__ = ["guard_kernel_pickling", "kernels_by_reference"]
 
 #: id(kernel) -> the kernel, for the references pickled in this process.
 _kernels: Registry[int, Any] = Registry("cuda kernels pickled by reference")
+#: The namespaces whose ufuncs pickle by name (those imported are searched).
+_PUBLIC = ("cupy", "cupyx.scipy.special")
 _guarded = False
 
 
@@ -53,9 +70,10 @@ def _kernel_by_reference(pid: int, key: int) -> Any:
     kernel = _kernels.items.get(key) if pid == os.getpid() else None
     if kernel is None:
         raise RuntimeError(
-            "a cupy.ElementwiseKernel that func closes over was sent to another process, "
-            "where it cannot be used: create the kernel inside func, or define it in an "
-            "importable module (not __main__) so that each process builds its own"
+            "a CuPy kernel (a cupy.ElementwiseKernel, a ufunc of your own or a compiled "
+            "module) that func closes over was sent to another process, where it cannot "
+            "be used: create the kernel inside func, or define it in an importable module "
+            "(not __main__) so that each process builds its own"
         )
     return kernel
 
@@ -68,14 +86,57 @@ def _reduce_kernel(kernel: Any) -> tuple[Any, tuple[int, int]]:
     return _kernel_by_reference, (os.getpid(), id(kernel))
 
 
+def _public_ufunc(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module), name)
+
+
+def _public_name(ufunc: Any) -> tuple[str, str] | None:
+    """Where CuPy publishes ``ufunc`` (``("cupy", "negative")``), or None."""
+    name = str(getattr(ufunc, "__name__", ""))
+    for module in _PUBLIC:
+        namespace = sys.modules.get(module)
+        if namespace is None:
+            continue
+        # CuPy names a ufunc after its place: cupy_negative is cupy.negative.
+        guess = name.removeprefix(module.replace(".", "_") + "_")
+        for attr in (guess, *list(vars(namespace))):
+            if getattr(namespace, attr, None) is ufunc:
+                return module, attr
+    return None
+
+
+def _reduce_ufunc(ufunc: Any) -> tuple[Any, tuple[Any, ...]]:
+    where = _public_name(ufunc)
+    if where is None:
+        return _reduce_kernel(ufunc)
+    return _public_ufunc, where
+
+
+def _by_reference() -> dict[type, Callable[[Any], tuple[Any, tuple[Any, ...]]]]:
+    """The ``copyreg`` entries, by type (those this CuPy has)."""
+    table: dict[type, Callable[[Any], tuple[Any, tuple[Any, ...]]]] = {
+        cupy.ElementwiseKernel: _reduce_kernel
+    }
+    ufunc = getattr(cupy, "ufunc", None)
+    if isinstance(ufunc, type):
+        table[ufunc] = _reduce_ufunc
+    try:
+        from cupy.cuda.function import Module
+    except ImportError:  # (a stand-in cupy, in the tests of the guard's scope)
+        pass
+    else:
+        table[Module] = _reduce_kernel
+    return table
+
+
 _scope = threading.Lock()
 _entered = 0  # threads inside kernels_by_reference
-_before: Any = None  # the copyreg entry for ElementwiseKernel before the first entered
+_before: dict[type, Any] = {}  # the copyreg entries before the first thread entered
 
 
 @contextlib.contextmanager
 def kernels_by_reference() -> Iterator[None]:
-    """While entered, ``cupy.ElementwiseKernel`` objects pickle as in-process references
+    """While entered, CuPy's kernels pickle as in-process references and its ufuncs by name
     (re-entrant, thread-safe; see the module's docstring). The ``copyreg`` table is as it
     was once no thread is inside.
 
@@ -84,16 +145,17 @@ def kernels_by_reference() -> Iterator[None]:
     >>> import copyreg, pickle, cupy
     >>> k = cupy.ElementwiseKernel("T x", "T y", "y = x", "copy_s")
     >>> with kernels_by_reference():
-    ...     pickle.loads(pickle.dumps(k)) is k
-    True
+    ...     pickle.loads(pickle.dumps(k)) is k, pickle.loads(pickle.dumps(cupy.sqrt)) is cupy.sqrt
+    (True, True)
     >>> _guarded or cupy.ElementwiseKernel not in copyreg.dispatch_table
     True
     """
     global _entered, _before
     with _scope:
         if _entered == 0 and not _guarded:
-            _before = copyreg.dispatch_table.get(cupy.ElementwiseKernel)
-            copyreg.dispatch_table[cupy.ElementwiseKernel] = _reduce_kernel
+            table = _by_reference()
+            _before = {t: copyreg.dispatch_table.get(t) for t in table}
+            copyreg.dispatch_table.update(table)
         _entered += 1
     try:
         yield
@@ -101,18 +163,21 @@ def kernels_by_reference() -> Iterator[None]:
         with _scope:
             _entered -= 1
             if _entered == 0 and not _guarded:
-                if _before is None:
-                    copyreg.dispatch_table.pop(cupy.ElementwiseKernel, None)
-                else:
-                    copyreg.dispatch_table[cupy.ElementwiseKernel] = _before
+                for t, before in _before.items():
+                    if before is None:
+                        copyreg.dispatch_table.pop(t, None)
+                    else:
+                        copyreg.dispatch_table[t] = before
+                _before = {}
 
 
 def guard_kernel_pickling() -> None:
-    """Make ``cupy.ElementwiseKernel`` objects pickle as in-process references (idempotent).
+    """Make CuPy's kernels pickle as in-process references and its ufuncs by name, for good
+    (idempotent).
 
-    For code that pickles such kernels itself: it changes pickling for the whole process
-    (dask_overlap itself only enters :func:`kernels_by_reference`). See the module's
-    docstring.
+    For code that pickles such kernels itself (plain ``dask.array.map_blocks``): it changes
+    pickling for the whole process (dask_overlap itself only enters
+    :func:`kernels_by_reference`). See the module's docstring.
 
     Examples
     --------
@@ -124,5 +189,6 @@ def guard_kernel_pickling() -> None:
     """
     global _guarded
     with _scope:
-        copyreg.pickle(cupy.ElementwiseKernel, _reduce_kernel)
+        for t, reduce in _by_reference().items():
+            copyreg.pickle(t, reduce)
         _guarded = True

@@ -24,8 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from dask.base import tokenize
 from dask.utils import funcname
+
+from ..backends import tokenize_kept
 
 __all__ = ["HALO_KWARG", "HaloBlock", "HaloFunc", "HaloSpec", "fill", "halo_block"]
 
@@ -218,7 +219,7 @@ class HaloFunc:
     def __dask_tokenize__(self) -> Any:
         return (
             "HaloFunc",
-            tokenize(self.func),
+            tokenize_kept(self.func),
             self.trim,
             self.ref,
             self.out_axes,

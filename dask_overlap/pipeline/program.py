@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dask.base import tokenize
 from dask.utils import funcname
 
+from ..backends import tokenize_kept
 from .blocks import PerBlock, cut, foldable, folded, pieces, unfolded
 
 __all__ = ["EACH_BLOCK_MODES", "PREVIOUS", "Call", "EachBlock", "Program", "Template"]
@@ -65,7 +65,7 @@ class Call:
         return Call, (self.name, self.fn, self.args, self.kwargs)
 
     def __dask_tokenize__(self) -> Any:
-        return ("Call", self.name, tokenize(self.fn), self.args, self.kwargs)
+        return ("Call", self.name, tokenize_kept(self.fn), self.args, self.kwargs)
 
 
 class Template:
@@ -91,7 +91,7 @@ class Template:
         return Template, (self.name, self.task, self.token, self.constants)
 
     def __dask_tokenize__(self) -> Any:
-        return ("Template", self.name, tokenize(self.task), self.token, self.constants)
+        return ("Template", self.name, tokenize_kept(self.task), self.token, self.constants)
 
 
 #: How an :class:`EachBlock` step may run in fewer calls than one a block: ``"batch"``, a
@@ -222,7 +222,7 @@ class Program:
         return Program, (self.first, self.before, self.then)
 
     def __dask_tokenize__(self) -> Any:
-        return ("Program", tokenize(self.first), self.before, self.then)
+        return ("Program", tokenize_kept(self.first), self.before, self.then)
 
     def __repr__(self) -> str:
         return f"Program({' -> '.join(self.names)})"

@@ -18,10 +18,9 @@ from typing import Any
 
 import cloudpickle
 import numpy as np
-from dask.base import tokenize
 from dask.utils import funcname
 
-from ..backends import kernels_kept
+from ..backends import kernels_kept, tokenize_kept
 from .blocks import BatchBlocks
 from .current import get_runtime
 from .partition import PartitionSpec, run_partition
@@ -211,11 +210,9 @@ class PartitionTask:
             return _task_from_state, (type(self), cloudpickle.dumps(self.__dict__))
 
     def __dask_tokenize__(self) -> Any:
-        with kernels_kept():  # (tokenize loads what it pickles: see __reduce_ex__)
-            func = tokenize(self.func)
         return (
             type(self).__name__,
-            func,
+            tokenize_kept(self.func),  # (tokenize loads what it pickles: see __reduce_ex__)
             self.enforce_ndim,
             self.backend,
             self.array_positions,
