@@ -14,15 +14,23 @@ import dask_overlap
 #: Modules whose examples need CuPy (or a GPU).
 _GPU_MODULES = ("cuda", "kernel_pickling", "nvtx")
 
-MODULES = sorted(
-    m.name
-    for m in pkgutil.walk_packages(dask_overlap.__path__, "dask_overlap.")
-    if not any(part in m.name for part in _GPU_MODULES)
-)
+_ALL = sorted(m.name for m in pkgutil.walk_packages(dask_overlap.__path__, "dask_overlap."))
+MODULES = [name for name in _ALL if not any(part in name for part in _GPU_MODULES)]
+GPU_MODULES = [name for name in _ALL if name not in MODULES]
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name: str) -> None:
+    _examples_run(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_MODULES)
+def test_gpu_docstring_examples(name: str) -> None:
+    _examples_run(name)
+
+
+def _examples_run(name: str) -> None:
     module = importlib.import_module(name)
     dask_overlap.close_runtimes()  # each module's examples from a fresh runtime
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
