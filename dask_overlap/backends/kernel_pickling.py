@@ -147,7 +147,8 @@ def kernels_by_reference() -> Iterator[None]:
     >>> with kernels_by_reference():
     ...     pickle.loads(pickle.dumps(k)) is k, pickle.loads(pickle.dumps(cupy.sqrt)) is cupy.sqrt
     (True, True)
-    >>> _guarded or cupy.ElementwiseKernel not in copyreg.dispatch_table
+    >>> from dask_overlap.backends import kernel_pickling  # (its state now, not at import)
+    >>> kernel_pickling._guarded or cupy.ElementwiseKernel not in copyreg.dispatch_table
     True
     """
     global _entered, _before
