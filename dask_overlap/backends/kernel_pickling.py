@@ -32,9 +32,10 @@ The copy that breaks is the compiled module's: ``cupy.cuda.function.Module`` is 
 class that pickles by value (its handle, as a number), and whose finalizer unloads that
 handle. Any CuPy object that keeps compiled kernels in a memo copies them so, and so does
 a CuPy ufunc (``cupy.negative``, ``cupy.sqrt``: the commonest ``func`` of all) once it has
-run in the process: ``dask_overlap.map_blocks(cupy.negative, x)`` after ``-a`` on a CuPy
-array crashed the process in Dask's ``tokenize`` on an H100 (the second copy unloaded a
-handle the first had unloaded already; CuPy 14.2, Dask 2026.11). So, while entered:
+run in the process: ``dask_overlap.map_blocks(cupy.negative, x)``, in a test process
+where it had, crashed the process in Dask's ``tokenize`` on an H100 (CuPy 14.2, Dask 2026.11),
+inside ``pickle.loads`` of the ufunc: read from CuPy's source, each copy that dies unloads
+the module the original uses, and the next one unloads it again. So, while entered:
 
 - a CuPy ufunc that CuPy publishes (``cupy.negative``) pickles by its name, which finds the
   same object in this process and CuPy's own in any other;
