@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import functools
 import importlib
 import os
 import sys
@@ -113,6 +114,7 @@ def _reduce_ufunc(ufunc: Any) -> tuple[Any, tuple[Any, ...]]:
     return _public_ufunc, where
 
 
+@functools.cache
 def _by_reference() -> dict[type, Callable[[Any], tuple[Any, tuple[Any, ...]]]]:
     """The ``copyreg`` entries, by type (those this CuPy has)."""
     table: dict[type, Callable[[Any], tuple[Any, tuple[Any, ...]]]] = {
