@@ -118,7 +118,9 @@ from common import (  # noqa: E402
     persist_timed,
     pinned_copy,
     pinned_pool_size,
+    positive,
     random_data,
+    rows_of,
     same_chunks,
     save,
     thread_cpu,
@@ -162,11 +164,6 @@ def against_bound(
         "correct": bool(correct),
         **extra,
     }
-
-
-def rows_of(nbytes: int, row_bytes: int = 4 * COLS) -> int:
-    """Whole rows of ``row_bytes`` in ``nbytes``, at least one."""
-    return max(1, nbytes // row_bytes)
 
 
 _CALIBRATED: dict[tuple, tuple[dict, float, int]] = {}
@@ -535,17 +532,6 @@ def small_sizes(text: str) -> list[tuple[int, int]]:
             )
         pairs.append((byte_count(partition), byte_count(size)))
     return pairs
-
-
-def positive(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
-    return n
 
 
 def arguments(argv: list[str] | None) -> argparse.Namespace:

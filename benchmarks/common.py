@@ -104,6 +104,23 @@ def add_backend(
     p.add_argument("--backend", default=default, choices=list(choices), help=f"[{default}]")
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1.
+
+    Examples
+    --------
+    >>> positive("3")
+    3
+    """
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+    return n
+
+
 def add_repeat(p: argparse.ArgumentParser, default: int, what: str = "of each path") -> None:
     """``--repeat``: timed runs after the warm-up; the best is kept."""
     p.add_argument("--repeat", type=int, default=default, help=f"timed runs {what}; best kept")
@@ -323,6 +340,17 @@ def runtime_device() -> str:
 # -- data --------------------------------------------------------------------------------
 
 
+def rows_of(nbytes: int, row_bytes: int = 4 * COLS) -> int:
+    """Whole rows of ``row_bytes`` in ``nbytes``, at least one.
+
+    Examples
+    --------
+    >>> rows_of(1, 8), rows_of(20, 8)
+    (1, 2)
+    """
+    return max(1, nbytes // row_bytes)
+
+
 def random_data(shape: tuple[int, ...], threads: int = 16) -> np.ndarray:
     """Float32 random data in ordinary memory, made by several threads (NumPy's
     generators release the GIL); the same data for the same shape."""
@@ -378,7 +406,9 @@ def pinned_copy(rt: Any, host: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _fused() -> Any:
+def fused_kernel() -> Any:
+    """The CuPy ``ElementwiseKernel`` behind :func:`make_kernel` (``(x, n)`` or ``(x, n,
+    out)``)."""
     # One fused CuPy kernel whose length is an argument: a Python loop of CuPy operations
     # would measure the host's launch rate, not the GPU. It lives in this importable
     # module, made on first use: a kernel defined in __main__ is copied when Dask pickles
@@ -415,7 +445,7 @@ def make_kernel(iterations: int) -> Callable[[Any], Any]:
             for _ in range(iterations):
                 y = y * np.float32(0.9999) + np.float32(0.25)
             return y
-        return _fused()(x, np.int32(iterations))
+        return fused_kernel()(x, np.int32(iterations))
 
     kernel.__name__ = f"kernel{iterations}"
     return kernel

@@ -7,10 +7,10 @@
 # a run, copy the current files into benchmarks/results/ and append $OUT/history.jsonl to
 # benchmarks/results/history.jsonl (pytest's log stays out of git).
 #
-#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits|halo|reuse|pool]...
+#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits|halo|reuse|pool|streams]...
 #   (peak: PEAK_ARGS, PEAK_LIMIT; pipeline: PIPELINE_ARGS, PIPELINE_LIMIT; limits: LIMITS_ARGS,
 #   LIMITS_LIMIT; halo: HALO_ARGS, HALO_LIMIT; reuse: REUSE_ARGS, REUSE_LIMIT; pool: POOL_ARGS,
-#   POOL_LIMIT)
+#   POOL_LIMIT; streams: STREAMS_ARGS, STREAMS_LIMIT)
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -159,6 +159,15 @@ run_pool() {
         --record "$OUT" ${POOL_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 40 || status=1
 }
 
+run_streams() {
+    # Issue 31's pinned path: the same copies and kernel in plain CuPy, each sub-chunk on
+    # a stream of its own (as the library) or the copies on one stream each way
+    # (copy-streams.json).
+    log "streams: copy_streams.py ${STREAMS_ARGS:-}"
+    timeout "${STREAMS_LIMIT:-180}" python3 benchmarks/diagnostics/copy_streams.py \
+        --record "$OUT" ${STREAMS_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 20 || status=1
+}
+
 run_halo() {
     # A filter with halos (issue 30): map_overlap against the naive path, the padded blocks
     # built on the host, and the same filter with no halo.
@@ -265,9 +274,10 @@ for step in "${steps[@]}"; do
         halo) run_halo ;;
         reuse) run_reuse ;;
         pool) run_pool ;;
+        streams) run_streams ;;
         small) run_small ;;
         floor) run_floor ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits|halo|reuse|pool]..."; exit 2 ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits|halo|reuse|pool|streams]..."; exit 2 ;;
     esac
 done
 log "done, status $status"

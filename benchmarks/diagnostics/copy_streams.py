@@ -1,0 +1,192 @@
+"""Does the way copies are put on streams cost the pinned path its last tenth? (issue 31)
+
+The opt-in pinned path (pinned input, ``out="pinned"``) reached 0.88 of its both-ways
+bound on an H100 while the device-to-host engine was busy 0.95 of each run and the
+host-to-device engine 0.76: the copies out ran at 31.6 GB/s while they ran, where the
+bound's copies move 34 each way. The library puts each sub-chunk's copy in, kernel and
+copy out on one stream of its own, so the copies in of several streams share the link
+with the copies out, in whatever order the hardware takes them.
+
+This script asks the hardware alone, in plain CuPy (no Dask, no dask_overlap pipeline),
+on pinned input and pinned results in sub-chunks of ``--sub-chunk`` bytes, with the
+benchmarks' balanced kernel (as long as a sub-chunk's copy in) or none:
+
+- ``per-stream``: every sub-chunk's three steps on one of ``--streams`` streams, as the
+  library issues them;
+- ``copy-streams``: every copy in on one stream, every copy out on another, the kernels
+  on ``--streams`` streams, ordered by events (a hand-written pipeline's layout);
+
+each with the kernel and as copies alone, against the bound's copies
+(``common.copy_only_seconds``: whole partitions, one stream each way). A layout whose
+copies with the kernel reach the copies alone names the cause; if both fall short, it
+is not the streams.
+
+Example (on the GPU)::
+
+    python3 benchmarks/diagnostics/copy_streams.py --size 4GiB --streams 16 8
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import dask_overlap
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import (  # noqa: E402
+    COLS,
+    GB,
+    add_output,
+    add_repeat,
+    byte_count,
+    copy_only_seconds,
+    device_name,
+    fused_kernel,
+    make_kernel,
+    measure_ceilings,
+    parser,
+    pinned_copy,
+    positive,
+    random_data,
+    rows_of,
+    save,
+)
+
+BENCHMARK = "copy-streams"
+LAYOUTS = ("per-stream", "copy-streams")
+
+
+def _subs(host_in: np.ndarray, host_out: np.ndarray, rows: int) -> list[tuple[Any, Any]]:
+    return [(host_in[s : s + rows], host_out[s : s + rows]) for s in range(0, len(host_in), rows)]
+
+
+def issue(layout: str, subs: list, slots: int, kernel: Callable | None) -> float:
+    """Seconds to run every sub-chunk of ``subs`` (pairs of pinned views, in and out) in
+    ``layout`` over ``slots`` device buffers (and as many kernel streams), everything
+    issued up front from this thread; ``kernel(x, out)`` between the copies, or none."""
+    import cupy as cp
+
+    h2d, d2h = cp.cuda.runtime.memcpyHostToDevice, cp.cuda.runtime.memcpyDeviceToHost
+    shape, dtype = subs[0][0].shape, subs[0][0].dtype
+    dev_in = [cp.empty(shape, dtype) for _ in range(slots)]
+    dev_out = [cp.empty(shape, dtype) for _ in range(slots)]
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(slots)]
+    s_in, s_out = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    free: list[Any] = [None] * slots  # the slot's last copy out, done
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for k, (a, b) in enumerate(subs):
+        j = k % slots
+        n = a.nbytes
+        src = dev_out[j] if kernel is not None else dev_in[j]
+        if layout == "per-stream":
+            s = streams[j]  # in order: the slot's last sub-chunk is out before this one
+            cp.cuda.runtime.memcpyAsync(dev_in[j].data.ptr, a.ctypes.data, n, h2d, s.ptr)
+            if kernel is not None:
+                with s:
+                    kernel(dev_in[j], dev_out[j])
+            cp.cuda.runtime.memcpyAsync(b.ctypes.data, src.data.ptr, n, d2h, s.ptr)
+            continue
+        if free[j] is not None:
+            s_in.wait_event(free[j])
+        cp.cuda.runtime.memcpyAsync(dev_in[j].data.ptr, a.ctypes.data, n, h2d, s_in.ptr)
+        ready = s_in.record()
+        if kernel is not None:
+            s = streams[j]
+            s.wait_event(ready)  # after the copy in, itself after the slot's copy out
+            with s:
+                kernel(dev_in[j], dev_out[j])
+            ready = s.record()
+        s_out.wait_event(ready)
+        cp.cuda.runtime.memcpyAsync(b.ctypes.data, src.data.ptr, n, d2h, s_out.ptr)
+        free[j] = s_out.record()
+    cp.cuda.Device().synchronize()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = parser(__doc__)
+    p.add_argument("--size", type=byte_count, default="4GiB", help="input bytes (float32)")
+    p.add_argument("--partition", type=byte_count, default="256MiB", help="the bound's unit")
+    p.add_argument("--sub-chunk", type=byte_count, default="32MiB", help="bytes per copy")
+    p.add_argument("--streams", type=positive, nargs="+", default=[16, 8], help="device slots")
+    add_repeat(p, 3, "of each layout")
+    add_output(p)
+    args = p.parse_args(argv)
+    try:
+        rt = dask_overlap.get_runtime("cuda")
+    except ImportError as e:
+        raise SystemExit(f"copy_streams.py measures a GPU's copy engines: {e}") from None
+    import cupy as cp
+
+    rows, part, sub = rows_of(args.size), rows_of(args.partition), rows_of(args.sub_chunk)
+    host_in = pinned_copy(rt, random_data((rows, COLS)))
+    host_out = pinned_copy(rt, np.zeros_like(host_in))
+    ceilings, kernel_s, iterations = measure_ceilings(rt, host_in[:part], "balanced")
+    n = np.int32(iterations)
+
+    def kernel(x: Any, out: Any) -> None:  # the balanced kernel, into a slot's buffer
+        fused_kernel()(x, n, out)
+
+    nbytes = host_in.nbytes
+    whole = copy_only_seconds(host_in, part)
+    expect = make_kernel(iterations)(cp.asarray(host_in[:sub])).get()
+    subs = _subs(host_in, host_out, sub)
+    rows_out: list[dict[str, Any]] = []
+    for slots in args.streams:
+        for layout in LAYOUTS:
+            for with_kernel in (True, False):
+                runs = [
+                    issue(layout, subs, slots, kernel if with_kernel else None)
+                    for _ in range(args.repeat)
+                ]
+                want = expect if with_kernel else host_in[:sub]
+                correct = bool(np.array_equal(host_out[:sub], want))
+                row = {
+                    "layout": layout,
+                    "streams": slots,
+                    "kernel": with_kernel,
+                    "gbps_each_run": [nbytes / s / GB for s in runs],
+                    "gbps": nbytes / min(runs) / GB,
+                    "correct": correct,
+                }
+                rows_out.append(row)
+                print(
+                    f"  {layout:12s} streams {slots:2d} {'kernel' if with_kernel else 'copies'}: "
+                    + ", ".join(f"{g:6.2f}" for g in row["gbps_each_run"])
+                    + f" GB/s  correct {correct}",
+                    flush=True,
+                )
+    whole_gbps = nbytes / whole / GB
+    for row in rows_out:
+        row["ratio_to_whole_copies"] = row["gbps"] / whole_gbps
+    both_gbps = ceilings["both"] / 2 / GB
+    result = {
+        "device": device_name("cuda"),
+        "size_bytes": nbytes,
+        "partition_bytes": part * COLS * 4,
+        "sub_chunk_bytes": sub * COLS * 4,
+        "kernel_seconds_per_partition": kernel_s,
+        "both_ways_gbps": both_gbps,
+        "whole_copies_gbps": whole_gbps,
+        "rows": rows_out,
+    }
+    print(f"bound (both ways, one partition): {both_gbps:.2f} GB/s; whole copies {whole_gbps:.2f}")
+    figures = {
+        f"{r['layout']}_{r['streams']}_{'kernel' if r['kernel'] else 'copies'}": round(
+            r["ratio_to_whole_copies"], 3
+        )
+        for r in rows_out
+    }
+    save(args, BENCHMARK, result, figures, result["device"])
+    return result
+
+
+if __name__ == "__main__":
+    main()
