@@ -21,6 +21,10 @@ each with the kernel and as copies alone, against the bound's copies
 copies with the kernel reach the copies alone names the cause; if both fall short, it
 is not the streams.
 
+Then the library's pinned path itself (``bench_limits.py``'s pinned row: ``split_axis=0``,
+``out="pinned"``, ``--threads`` Dask threads), with its copy lanes
+(``dask_overlap.backends.cuda.COPY_LANES``) on and off in turn, ``--repeat`` rounds.
+
 Example (on the GPU)::
 
     python3 benchmarks/diagnostics/copy_streams.py --size 4GiB --streams 16 8
@@ -28,12 +32,14 @@ Example (on the GPU)::
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import dask
 import numpy as np
 
 import dask_overlap
@@ -44,6 +50,7 @@ from common import (  # noqa: E402
     GB,
     add_output,
     add_repeat,
+    array_of_views,
     byte_count,
     copy_only_seconds,
     device_name,
@@ -51,7 +58,9 @@ from common import (  # noqa: E402
     make_kernel,
     measure_ceilings,
     parser,
+    persist_chunks,
     pinned_copy,
+    pinned_pool_size,
     positive,
     random_data,
     rows_of,
@@ -116,16 +125,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--partition", type=byte_count, default="256MiB", help="the bound's unit")
     p.add_argument("--sub-chunk", type=byte_count, default="32MiB", help="bytes per copy")
     p.add_argument("--streams", type=positive, nargs="+", default=[16, 8], help="device slots")
+    p.add_argument("--threads", type=positive, default=4, help="Dask threads of the library")
     add_repeat(p, 3, "of each layout")
     add_output(p)
     args = p.parse_args(argv)
+    rows, part, sub = rows_of(args.size), rows_of(args.partition), rows_of(args.sub_chunk)
+    pool = pinned_pool_size(rows * COLS * 4, "pinned", True, "cuda")
+    dask.config.set({"overlap.pinned-pool-size": pool})
     try:
         rt = dask_overlap.get_runtime("cuda")
     except ImportError as e:
         raise SystemExit(f"copy_streams.py measures a GPU's copy engines: {e}") from None
     import cupy as cp
 
-    rows, part, sub = rows_of(args.size), rows_of(args.partition), rows_of(args.sub_chunk)
     host_in = pinned_copy(rt, random_data((rows, COLS)))
     host_out = pinned_copy(rt, np.zeros_like(host_in))
     ceilings, kernel_s, iterations = measure_ceilings(rt, host_in[:part], "balanced")
@@ -163,7 +175,11 @@ def main(argv: list[str] | None = None) -> dict:
                     + f" GB/s  correct {correct}",
                     flush=True,
                 )
+    library = library_runs(args, host_in, part, make_kernel(iterations), expect)
     whole_gbps = nbytes / whole / GB
+    for row in library:
+        row["ratio_to_whole_copies"] = row["gbps"] / whole_gbps
+        row["ratio_to_both_ways"] = row["gbps"] / (ceilings["both"] / 2 / GB)
     for row in rows_out:
         row["ratio_to_whole_copies"] = row["gbps"] / whole_gbps
     both_gbps = ceilings["both"] / 2 / GB
@@ -176,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         "both_ways_gbps": both_gbps,
         "whole_copies_gbps": whole_gbps,
         "rows": rows_out,
+        "library": library,
     }
     print(f"bound (both ways, one partition): {both_gbps:.2f} GB/s; whole copies {whole_gbps:.2f}")
     figures = {
@@ -184,8 +201,45 @@ def main(argv: list[str] | None = None) -> dict:
         )
         for r in rows_out
     }
+    for lanes in (True, False):
+        got = [r["ratio_to_both_ways"] for r in library if r["lanes"] is lanes]
+        figures[f"library_lanes_{'on' if lanes else 'off'}"] = [round(g, 3) for g in got]
+        print(f"library, lanes {'on ' if lanes else 'off'}: " + ", ".join(f"{g:.3f}" for g in got))
     save(args, BENCHMARK, result, figures, result["device"])
     return result
+
+
+def library_runs(
+    args: argparse.Namespace, host: np.ndarray, part: int, func: Callable, expect: np.ndarray
+) -> list[dict[str, Any]]:
+    """The pinned path through ``dask_overlap.map_blocks``, copy lanes on and off in turn,
+    ``args.repeat`` rounds: each run's GB/s and whether its first rows are right."""
+    from dask_overlap.backends import cuda
+
+    x = array_of_views(host, part)
+    arr = dask_overlap.map_blocks(func, x, split_axis=0, dtype=np.float32, out="pinned")
+    threaded = {"scheduler": "threads", "num_workers": args.threads}
+    runs = []
+    try:
+        for i in range(args.repeat + 1):  # the first round warms both up
+            for lanes in (True, False):
+                cuda.COPY_LANES = lanes
+                got = None
+                seconds, got = persist_chunks(arr, **threaded)
+                if i == 0:
+                    continue
+                row = {
+                    "round": i,
+                    "lanes": lanes,
+                    "gbps": host.nbytes / seconds / GB,
+                    "correct": bool(np.array_equal(got[0][: len(expect)], expect)),
+                }
+                runs.append(row)
+                print(f"  library lanes {lanes!s:5s} {row['gbps']:6.2f} GB/s", flush=True)
+                del got
+    finally:
+        cuda.COPY_LANES = True
+    return runs
 
 
 if __name__ == "__main__":
