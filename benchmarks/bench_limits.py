@@ -478,7 +478,13 @@ def bound_row(measured: dict[str, Any], pick: Callable) -> dict[str, Any]:
 def case_pinned(args: argparse.Namespace) -> dict[str, dict]:
     """The opt-in pinned path, every run of ``--pinned-repeat``; the row is the slowest."""
     measured = pinned_runs(
-        args, "balanced", "pinned", args.size, args.partition, args.threads, args.pinned_repeat
+        args,
+        "balanced",
+        "pinned",
+        args.pinned_size,
+        args.partition,
+        args.threads,
+        args.pinned_repeat,
     )
     row = bound_row(measured, min)
     row["ratio_each_run"] = [r["ratio"] for r in measured["runs"]]
@@ -549,6 +555,12 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     add_repeat(p, 2)
     p.add_argument("--pinned-repeat", type=positive, default=3, help="runs of the pinned case")
+    p.add_argument(
+        "--pinned-size",
+        type=byte_count,
+        default="8GiB",
+        help="input bytes of the pinned case (issue 31's row: 8 GiB)",
+    )
     p.add_argument("--threads", default="4", help="Dask threads of the pinned and compute cases")
     p.add_argument("--small-threads", default="4,8", help="Dask threads of the small cases")
     p.add_argument(

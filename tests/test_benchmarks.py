@@ -7,6 +7,7 @@ reliably)."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import re
 import subprocess
@@ -291,6 +292,7 @@ def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     argv = ["--backend", "host", "--size", "8MiB", "--partition", "2MiB", "--repeat", "1"]
     argv += ["--small", "512KiB=2MiB", "--pinned-repeat", "2", "--small-threads", "2"]
+    argv += ["--pinned-size", "4MiB"]
     result = run("bench_limits.py", *argv, record=tmp_path)
     rows = result["rows"]
     assert result["device"] == "cpu" and result["cases"] == list(result["case_seconds"])
@@ -313,6 +315,8 @@ def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
     # The pinned case reports each run and is its slowest; the others their best.
     pinned = rows["pinned"]
     assert len(pinned["runs"]) == len(pinned["ratio_each_run"]) == 2
+    assert pinned["size_bytes"] == 4 << 20  # --pinned-size, not --size
+    assert rows["compute"]["size_bytes"] == 8 << 20
     assert pinned["gbps"] == min(r["gbps"] for r in pinned["runs"])
     for r in pinned["runs"]:  # what each run counted, and whose CPU time it used
         assert r["counted"]["partitions"] == pinned["partitions"], r["counted"]
@@ -464,3 +468,19 @@ def test_pool_reuse_compares_every_mode_with_the_library_round_by_round():
     assert got["library"]["filter"]["gbps_each_round"] == [8.0]
     rounds[1]["rmm-pool"] = failed
     assert pool_reuse.compare(rounds)["rmm-pool"] == {"error": "its process exited with 1"}
+
+
+def test_copy_streams_refuses_a_machine_without_a_gpu_before_any_work(monkeypatch):
+    """The diagnostic measures a GPU's copy engines: on the CPU it says so and stops."""
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here: the script would run")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "diagnostics" / "copy_streams.py"), "--size", "1MiB"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1
+    assert "copy_streams.py measures a GPU's copy engines" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -31,7 +31,7 @@ import rmm.mr
 from ..config import Options
 from .base import requested_bytes
 from .cuda_memory import SCRATCH, PinnedPool, device_pool, scratch_cache
-from .cuda_streams import CudaStream, copy_lane
+from .cuda_streams import CudaStream
 from .cuda_trace import EventTrace
 
 logger = logging.getLogger(__name__)
@@ -45,11 +45,6 @@ _D2H = 2  # cudaMemcpyDeviceToHost
 
 #: Timing events kept for reuse once resolved (four per sub-chunk in flight).
 _SPARE_MARKS = 1024
-
-#: Every copy between host and device goes through the device's copy lane of its
-#: direction (:class:`.cuda_streams.CopyLane`); off, on the sub-chunk's own stream (for
-#: diagnostics that compare the two).
-COPY_LANES = True
 
 #: Arrays whose pinnedness is remembered (see CudaBackend.is_pinned).
 _PINNED_ROOTS = 4096
@@ -114,7 +109,6 @@ class CudaBackend:
         )
         self._scratch = scratch_cache(self.device_id)
         self.pinned = PinnedPool(options.pinned_pool_size, self.device_id)
-        self._lanes = {d: copy_lane(self.device_id, d) for d in ("h2d", "d2h")}
         self._names = itertools.count()
         # Timing events around every copy and kernel, for pictures of the assembly line
         # (benchmarks/diagnostics/timeline_cuda.py); off unless started.
@@ -216,12 +210,6 @@ class CudaBackend:
         return times
 
     # -- the three stream stages --------------------------------------------------------
-    def _lane(self, stream: CudaStream, direction: str) -> contextlib.AbstractContextManager:
-        """The stream a copy of ``direction`` is enqueued on, in ``stream``'s order."""
-        if not COPY_LANES:
-            return contextlib.nullcontext(stream.cupy)
-        return self._lanes[direction].copying(stream.cupy)
-
     def copy_in(self, stream: CudaStream, host: Any) -> cupy.ndarray:
         if isinstance(host, cupy.ndarray):
             # Device input needs no copy, but may come from work on the legacy default
@@ -248,8 +236,7 @@ class CudaBackend:
             # Asynchronous when ``host`` is pinned; from pageable memory CUDA stages it
             # itself. Either way ``host`` stays alive: the runner holds a sub-chunk's
             # inputs until its copy-out has completed.
-            with self._lane(stream, "h2d") as lane:
-                _copy_rows(dev.data.ptr, width, host.ctypes.data, pitch, width, height, _H2D, lane)
+            _copy_rows(dev.data.ptr, width, host.ctypes.data, pitch, width, height, _H2D, stream)
             return dev
 
     def copy_in_blocks(self, stream: CudaStream, blocks: Any) -> cupy.ndarray:
@@ -261,12 +248,11 @@ class CudaBackend:
             height = math.prod(blocks.shape[:axis])
             dpitch = blocks.shape[axis] * row
             base = dev.data.ptr
-            with self._lane(stream, "h2d") as lane:
-                for b, lo, hi, at in blocks.parts():
-                    width = (hi - lo) * row
-                    src = b.ctypes.data + lo * row  # pinned, C-contiguous: asynchronous
-                    pitch = b.shape[axis] * row
-                    _copy_rows(base + at * row, dpitch, src, pitch, width, height, _H2D, lane)
+            for b, lo, hi, at in blocks.parts():
+                width = (hi - lo) * row
+                src = b.ctypes.data + lo * row  # pinned, C-contiguous: asynchronous
+                pitch = b.shape[axis] * row
+                _copy_rows(base + at * row, dpitch, src, pitch, width, height, _H2D, stream)
             return dev
 
     def compute(
@@ -297,16 +283,14 @@ class CudaBackend:
                 # which needs the copy to have completed.
                 tmp = np.empty(out.shape, out.dtype)
                 n = tmp.nbytes
-                with self._lane(stream, "d2h") as lane:
-                    _copy_rows(tmp.ctypes.data, n, src.data.ptr, n, n, 1, _D2H, lane)
+                _copy_rows(tmp.ctypes.data, n, src.data.ptr, n, n, 1, _D2H, stream)
                 stream.synchronize()
                 np.copyto(out, tmp)
                 return
             height, width, pitch = rows
             # Straight into the output block (pinned: asynchronous). ``out`` is part of the
             # partition's output, which the runner holds until every copy-out completed.
-            with self._lane(stream, "d2h") as lane:
-                _copy_rows(out.ctypes.data, pitch, src.data.ptr, width, width, height, _D2H, lane)
+            _copy_rows(out.ctypes.data, pitch, src.data.ptr, width, width, height, _D2H, stream)
 
     def empty_device(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
         # Stream-ordered on the current stream: other streams wait on a mark made after it.

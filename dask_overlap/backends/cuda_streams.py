@@ -11,11 +11,10 @@ above ``streams`` says why no stream is destroyed.)
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import cupy
@@ -24,7 +23,7 @@ from rmm.pylibrmm.stream import Stream as RmmStream
 from ..process import Registry
 from .base import OnDone
 
-__all__ = ["CopyLane", "CudaStream", "copy_lane", "pool_stream", "streams", "take_stream"]
+__all__ = ["CudaStream", "pool_stream", "streams", "take_stream"]
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -74,55 +73,6 @@ def pool_stream(device_id: int) -> Any:
         if stream is not mine:
             give_back_stream(device_id, mine)
     return stream
-
-
-class CopyLane:
-    """One direction's copies of one device, in the order they are issued, on one stream.
-
-    A sub-chunk's copies are ordered after its stream's work so far and before its later
-    work by a pair of events, so the stream's own order (kernel after copy in, copy out
-    after kernel, every free after the copy out) holds as if the copy were its own. The
-    two events are reused: a wait captures an event as recorded when it is enqueued, and
-    both are recorded and waited for under the lane's lock.
-
-    Why one stream a direction: with each sub-chunk's copies on its own stream, the
-    copies in of several streams ran beside the copies out in whatever order the
-    hardware took them (benchmarks/diagnostics/copy_streams.py).
-    """
-
-    def __init__(self, device_id: int, direction: str):
-        self.device_id = device_id
-        self.name = f"overlap-cuda-{direction}"
-        self.cupy = take_stream(device_id)
-        self.lock = threading.Lock()
-        with cupy.cuda.Device(device_id):
-            self._before = cupy.cuda.Event(disable_timing=True)
-            self._after = cupy.cuda.Event(disable_timing=True)
-
-    @contextlib.contextmanager
-    def copying(self, stream: Any) -> Iterator[Any]:
-        """The lane's CuPy stream, for copies enqueued in ``stream``'s order (``stream``,
-        a CuPy stream, is the device's current)."""
-        with self.lock:
-            self._before.record(stream)
-            self.cupy.wait_event(self._before)
-            yield self.cupy
-            self._after.record(self.cupy)
-            stream.wait_event(self._after)
-
-
-def copy_lane(device_id: int, direction: str) -> CopyLane:
-    """The process's copy lane of ``device_id`` for ``direction`` (``"h2d"``, ``"d2h"``)."""
-    key = ("lane", device_id, direction)
-    with streams.lock:
-        lane = streams.items.get(key)
-    if lane is None:
-        mine = CopyLane(device_id, direction)
-        with streams.lock:
-            lane = streams.items.setdefault(key, mine)
-        if lane is not mine:
-            give_back_stream(device_id, mine.cupy)
-    return lane
 
 
 class CudaStream:
