@@ -22,7 +22,8 @@ copies with the kernel reach the copies alone names the cause; if both fall shor
 is not the streams.
 
 Then the library's pinned path itself on the same input (``bench_limits.py``'s pinned
-row: ``split_axis=0``, ``out="pinned"``, ``--threads`` Dask threads), ``--repeat`` runs.
+row: ``split_axis=0``, ``out="pinned"``, ``--threads`` Dask threads), ``--repeat`` rounds
+of a run at each Python switch interval of ``--switch-intervals`` in turn.
 
 What it found on an H100 (copy-streams.json): the hardware is not the limit. Each
 sub-chunk on its own stream ran at 1.01 of the both-ways bound with the kernel, one copy
@@ -132,6 +133,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sub-chunk", type=byte_count, default="32MiB", help="bytes per copy")
     p.add_argument("--streams", type=positive, nargs="+", default=[16, 8], help="device slots")
     p.add_argument("--threads", type=positive, default=4, help="Dask threads of the library")
+    p.add_argument(
+        "--switch-intervals",
+        type=seconds_list,
+        default="0.005,0.0005",
+        help="Python switch intervals of the library's runs, in turn (0.005: Python's default)",
+    )
     add_repeat(p, 3, "of each layout")
     add_output(p)
     args = p.parse_args(argv)
@@ -207,8 +214,12 @@ def main(argv: list[str] | None = None) -> dict:
         )
         for r in rows_out
     }
-    figures["library"] = [round(r["ratio_to_both_ways"], 3) for r in library]
-    print("library, of the bound: " + ", ".join(f"{g:.3f}" for g in figures["library"]))
+    for interval in args.switch_intervals:
+        got = [
+            round(r["ratio_to_both_ways"], 3) for r in library if r["switch_interval"] == interval
+        ]
+        figures[f"library_switch_{interval:g}"] = got
+        print(f"library, switch interval {interval:g} s, of the bound: {got}")
     save(args, BENCHMARK, result, figures, result["device"])
     return result
 
@@ -216,24 +227,53 @@ def main(argv: list[str] | None = None) -> dict:
 def library_runs(
     args: argparse.Namespace, host: np.ndarray, part: int, func: Callable, expect: np.ndarray
 ) -> list[dict[str, Any]]:
-    """The pinned path through ``dask_overlap.map_blocks``, ``args.repeat`` runs after a
-    warm-up: each run's GB/s and whether its first rows are right."""
+    """The pinned path through ``dask_overlap.map_blocks`` after a warm-up, ``args.repeat``
+    rounds of a run at each of ``args.switch_intervals`` in turn (Python's switch interval:
+    how long a thread that wants the GIL waits before asking its holder to let go; the
+    runner's completions come back on threads of their own): each run's GB/s and whether
+    its first rows are right."""
     x = array_of_views(host, part)
     arr = dask_overlap.map_blocks(func, x, split_axis=0, dtype=np.float32, out="pinned")
     threaded = {"scheduler": "threads", "num_workers": args.threads}
     warm_up(arr, **threaded)
     runs = []
-    for i in range(args.repeat):
-        got = None  # the last run's results leave the pool first
-        seconds, got = persist_chunks(arr, **threaded)
-        row = {
-            "round": i,
-            "gbps": host.nbytes / seconds / GB,
-            "correct": bool(np.array_equal(got[0][: len(expect)], expect)),
-        }
-        runs.append(row)
-        print(f"  library {row['gbps']:6.2f} GB/s", flush=True)
+    default = sys.getswitchinterval()
+    try:
+        for i in range(args.repeat):
+            for interval in args.switch_intervals:
+                sys.setswitchinterval(interval)
+                got = None  # the last run's results leave the pool first
+                seconds, got = persist_chunks(arr, **threaded)
+                row = {
+                    "round": i,
+                    "switch_interval": interval,
+                    "gbps": host.nbytes / seconds / GB,
+                    "correct": bool(np.array_equal(got[0][: len(expect)], expect)),
+                }
+                runs.append(row)
+                print(f"  library, switch interval {interval:g} s: {row['gbps']:6.2f} GB/s")
+    finally:
+        sys.setswitchinterval(default)
     return runs
+
+
+def seconds_list(text: str) -> list[float]:
+    """An argparse type: a comma list of positive seconds.
+
+    Examples
+    --------
+    >>> seconds_list("0.005,0.0005")
+    [0.005, 0.0005]
+    """
+    try:
+        got = [float(t) for t in text.split(",")]
+    except ValueError:
+        got = []
+    if not got or min(got) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected positive seconds, comma-separated, got {text!r}"
+        )
+    return got
 
 
 if __name__ == "__main__":
