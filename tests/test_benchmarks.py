@@ -484,3 +484,46 @@ def test_copy_streams_refuses_a_machine_without_a_gpu_before_any_work(monkeypatc
     assert out.returncode == 1
     assert "copy_streams.py measures a GPU's copy engines" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_copy_streams_runs_the_library_at_each_switch_interval_in_turn(monkeypatch):
+    """The diagnostic's library part on this machine's backend: a run at each switch
+    interval per round, in turn, each checked, and Python's own interval put back."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    sys.path.insert(0, str(BENCHMARKS / "diagnostics"))
+    import argparse
+
+    import copy_streams
+    import numpy as np
+
+    host = np.arange(64 * common.COLS, dtype=np.float32).reshape(64, common.COLS)
+    func = common.make_kernel(2)
+    expect = func(host[:4])
+    args = argparse.Namespace(threads=2, repeat=2, switch_intervals=[0.004, 0.001])
+    before = sys.getswitchinterval()
+    runs = copy_streams.library_runs(args, host, 16, func, expect)
+    assert sys.getswitchinterval() == before
+    assert [(r["round"], r["switch_interval"]) for r in runs] == [
+        (0, 0.004),
+        (0, 0.001),
+        (1, 0.004),
+        (1, 0.001),
+    ]
+    assert all(r["correct"] and r["gbps"] > 0 for r in runs)
+    # A wrong expectation is seen as wrong: the check compares values.
+    wrong = copy_streams.library_runs(args, host, 16, func, expect + 1)
+    assert not any(r["correct"] for r in wrong)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--switch-intervals", "0.005,0"], "expected positive seconds (a comma list)"),
+        (["--streams", "0"], "--streams: expected an integer of at least 1, got '0'"),
+    ],
+)
+def test_copy_streams_refuses_bad_arguments_before_any_work(argv, words):
+    script = BENCHMARKS / "diagnostics" / "copy_streams.py"
+    out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
+    assert out.returncode == 2 and words in out.stderr

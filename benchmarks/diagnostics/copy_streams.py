@@ -270,9 +270,7 @@ def seconds_list(text: str) -> list[float]:
     except ValueError:
         got = []
     if not got or min(got) <= 0:
-        raise argparse.ArgumentTypeError(
-            f"expected positive seconds, comma-separated, got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"expected positive seconds (a comma list), got {text!r}")
     return got
 
 
