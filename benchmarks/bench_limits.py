@@ -38,7 +38,8 @@ and the rows they write:
   (``batch="auto"``), ``out="host"`` and ``out="pinned"``, ``--small-threads`` Dask
   threads (the best kept), against the bound;
 - ``pinned``: the opt-in pinned path, as ``bench_overlap.py``'s balanced-pinned case:
-  pinned input, ``out="pinned"``, ``--threads`` Dask threads, a pool that holds the
+  ``--pinned-size`` of pinned input (8 GiB, as issue 31's row; until 1612f6b it ran at
+  ``--size``), ``out="pinned"``, ``--threads`` Dask threads, a pool that holds the
   results, ``--pinned-repeat`` runs, each reported in ``runs`` (with each stage's share
   of its wall, ``engine_busy``, what the runtime ``counted`` over it, and whose CPU time
   it used, ``thread_cpu_seconds``); the row's ``gbps`` and ``ratio`` are the slowest
