@@ -487,9 +487,10 @@ def test_copy_streams_refuses_a_machine_without_a_gpu_before_any_work(monkeypatc
 
 
 @pytest.mark.timeout(120)
-def test_copy_streams_runs_the_library_at_each_switch_interval_in_turn(monkeypatch):
-    """The diagnostic's library part on this machine's backend: a run at each switch
-    interval per round, in turn, each checked, and Python's own interval put back."""
+def test_copy_streams_runs_the_library_at_each_setting_in_turn(monkeypatch):
+    """The diagnostic's library part on this machine's backend: a run at each in_flight
+    and switch interval per round, in turn, each checked, and Python's own interval put
+    back."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     sys.path.insert(0, str(BENCHMARKS / "diagnostics"))
     import argparse
@@ -500,15 +501,14 @@ def test_copy_streams_runs_the_library_at_each_switch_interval_in_turn(monkeypat
     host = np.arange(64 * common.COLS, dtype=np.float32).reshape(64, common.COLS)
     func = common.make_kernel(2)
     expect = func(host[:4])
-    args = argparse.Namespace(threads=2, repeat=2, switch_intervals=[0.004, 0.001])
+    args = argparse.Namespace(
+        threads=2, repeat=2, in_flight=[2, 4], switch_intervals=[0.004, 0.001]
+    )
     before = sys.getswitchinterval()
     runs = copy_streams.library_runs(args, host, 16, func, expect)
     assert sys.getswitchinterval() == before
-    assert [(r["round"], r["switch_interval"]) for r in runs] == [
-        (0, 0.004),
-        (0, 0.001),
-        (1, 0.004),
-        (1, 0.001),
+    assert [(r["round"], r["in_flight"], r["switch_interval"]) for r in runs] == [
+        (i, f, s) for i in (0, 1) for f in (2, 4) for s in (0.004, 0.001)
     ]
     assert all(r["correct"] and r["gbps"] > 0 for r in runs)
     # A wrong expectation is seen as wrong: the check compares values.
@@ -521,6 +521,8 @@ def test_copy_streams_runs_the_library_at_each_switch_interval_in_turn(monkeypat
     [
         (["--switch-intervals", "0.005,0"], "expected positive seconds (a comma list)"),
         (["--streams", "0"], "--streams: expected an integer of at least 1, got '0'"),
+        (["--window", "0"], "--window: expected an integer of at least 1, got '0'"),
+        (["--in-flight", "4", "0"], "--in-flight: expected an integer of at least 1, got '0'"),
     ],
 )
 def test_copy_streams_refuses_bad_arguments_before_any_work(argv, words):

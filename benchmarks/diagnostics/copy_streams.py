@@ -16,14 +16,24 @@ benchmarks' balanced kernel (as long as a sub-chunk's copy in) or none:
 - ``copy-streams``: every copy in on one stream, every copy out on another, the kernels
   on ``--streams`` streams, ordered by events (a hand-written pipeline's layout);
 
+- ``windowed``: as ``per-stream``, but with at most ``--window`` sub-chunks in flight
+  (the library's Dask threads times ``in-flight``), this thread waiting for the oldest
+  before it issues the next;
+- ``windowed-waiter``: the same window, each completion learned as the library learns
+  it, on a waiter thread per stream that sleeps in ``cudaEventSynchronize`` and then
+  takes the GIL to say so;
+
 each with the kernel and as copies alone, against the bound's copies
 (``common.copy_only_seconds``: whole partitions, one stream each way). A layout whose
 copies with the kernel reach the copies alone names the cause; if both fall short, it
-is not the streams.
+is not the streams. If ``windowed`` falls short where ``per-stream`` does not, a window of
+that depth is too shallow to keep the engines fed; if only ``windowed-waiter`` does, the
+hop through a waiter thread costs it.
 
 Then the library's pinned path itself on the same input (``bench_limits.py``'s pinned
 row: ``split_axis=0``, ``out="pinned"``, ``--threads`` Dask threads), ``--repeat`` rounds
-of a run at each Python switch interval of ``--switch-intervals`` in turn.
+of a run at each ``in_flight`` of ``--in-flight`` and each Python switch interval of
+``--switch-intervals`` in turn.
 
 What it found on an H100 (copy-streams.json): the hardware is not the limit. Each
 sub-chunk on its own stream ran at 1.01 of the both-ways bound with the kernel, one copy
@@ -39,8 +49,11 @@ Example (on the GPU)::
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -75,17 +88,54 @@ from common import (  # noqa: E402
 )
 
 BENCHMARK = "copy-streams"
-LAYOUTS = ("per-stream", "copy-streams")
+LAYOUTS = ("per-stream", "copy-streams", "windowed", "windowed-waiter")
+WINDOWED = ("windowed", "windowed-waiter")
 
 
 def _subs(host_in: np.ndarray, host_out: np.ndarray, rows: int) -> list[tuple[Any, Any]]:
     return [(host_in[s : s + rows], host_out[s : s + rows]) for s in range(0, len(host_in), rows)]
 
 
-def issue(layout: str, subs: list, slots: int, kernel: Callable | None) -> float:
+class _Waiters:
+    """A waiter thread per stream, as the library's (``backends/cuda_streams.py``): each
+    sleeps in ``cudaEventSynchronize`` on its stream's events in turn and then frees a
+    place in the window."""
+
+    def __init__(self, slots: int, window: int):
+        import cupy as cp
+
+        self.room = threading.Semaphore(window)
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(slots)]
+        device = cp.cuda.runtime.getDevice()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(q, device), daemon=True) for q in self._queues
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, q: queue.SimpleQueue, device: int) -> None:
+        import cupy as cp
+
+        cp.cuda.runtime.setDevice(device)
+        while (event := q.get()) is not None:
+            event.synchronize()
+            self.room.release()
+
+    def put(self, j: int, event: Any) -> None:
+        self._queues[j].put(event)
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join()
+
+
+def issue(layout: str, subs: list, slots: int, kernel: Callable | None, window: int = 0) -> float:
     """Seconds to run every sub-chunk of ``subs`` (pairs of pinned views, in and out) in
-    ``layout`` over ``slots`` device buffers (and as many kernel streams), everything
-    issued up front from this thread; ``kernel(x, out)`` between the copies, or none."""
+    ``layout`` over ``slots`` device buffers (and as many kernel streams), issued from
+    this thread (up front, or ``window`` at most in flight for the windowed layouts);
+    ``kernel(x, out)`` between the copies, or none."""
     import cupy as cp
 
     h2d, d2h = cp.cuda.runtime.memcpyHostToDevice, cp.cuda.runtime.memcpyDeviceToHost
@@ -95,19 +145,32 @@ def issue(layout: str, subs: list, slots: int, kernel: Callable | None) -> float
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(slots)]
     s_in, s_out = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     free: list[Any] = [None] * slots  # the slot's last copy out, done
+    waiters = _Waiters(slots, window) if layout == "windowed-waiter" else None
+    pending: collections.deque = collections.deque()  # "windowed": oldest first
     cp.cuda.Device().synchronize()
     t0 = time.perf_counter()
     for k, (a, b) in enumerate(subs):
         j = k % slots
         n = a.nbytes
         src = dev_out[j] if kernel is not None else dev_in[j]
-        if layout == "per-stream":
+        if layout == "per-stream" or layout in WINDOWED:
+            if waiters is not None:
+                waiters.room.acquire()  # a place in the window
+            elif layout == "windowed" and len(pending) >= window:
+                pending.popleft().synchronize()
             s = streams[j]  # in order: the slot's last sub-chunk is out before this one
             cp.cuda.runtime.memcpyAsync(dev_in[j].data.ptr, a.ctypes.data, n, h2d, s.ptr)
             if kernel is not None:
                 with s:
                     kernel(dev_in[j], dev_out[j])
             cp.cuda.runtime.memcpyAsync(b.ctypes.data, src.data.ptr, n, d2h, s.ptr)
+            if layout in WINDOWED:
+                done = cp.cuda.Event(block=True, disable_timing=True)
+                done.record(s)
+                if waiters is not None:
+                    waiters.put(j, done)
+                else:
+                    pending.append(done)
             continue
         if free[j] is not None:
             s_in.wait_event(free[j])
@@ -123,7 +186,10 @@ def issue(layout: str, subs: list, slots: int, kernel: Callable | None) -> float
         cp.cuda.runtime.memcpyAsync(b.ctypes.data, src.data.ptr, n, d2h, s_out.ptr)
         free[j] = s_out.record()
     cp.cuda.Device().synchronize()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if waiters is not None:
+        waiters.close()
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -133,6 +199,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sub-chunk", type=byte_count, default="32MiB", help="bytes per copy")
     p.add_argument("--streams", type=positive, nargs="+", default=[16, 8], help="device slots")
     p.add_argument("--threads", type=positive, default=4, help="Dask threads of the library")
+    p.add_argument(
+        "--window",
+        type=positive,
+        default=16,
+        help="sub-chunks in flight in the windowed layouts (the library's threads x in-flight)",
+    )
+    p.add_argument(
+        "--in-flight",
+        type=positive,
+        nargs="+",
+        default=[4],
+        help="in_flight of the library's runs, in turn (4: the library's default)",
+    )
     p.add_argument(
         "--switch-intervals",
         type=seconds_list,
@@ -168,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
         for layout in LAYOUTS:
             for with_kernel in (True, False):
                 runs = [
-                    issue(layout, subs, slots, kernel if with_kernel else None)
+                    issue(layout, subs, slots, kernel if with_kernel else None, args.window)
                     for _ in range(args.repeat)
                 ]
                 want = expect if with_kernel else host_in[:sub]
@@ -176,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row = {
                     "layout": layout,
                     "streams": slots,
+                    "window": args.window if layout in WINDOWED else None,
                     "kernel": with_kernel,
                     "gbps_each_run": [nbytes / s / GB for s in runs],
                     "gbps": nbytes / min(runs) / GB,
@@ -183,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
                 }
                 rows_out.append(row)
                 print(
-                    f"  {layout:12s} streams {slots:2d} {'kernel' if with_kernel else 'copies'}: "
+                    f"  {layout:15s} streams {slots:2d} {'kernel' if with_kernel else 'copies'}: "
                     + ", ".join(f"{g:6.2f}" for g in row["gbps_each_run"])
                     + f" GB/s  correct {correct}",
                     flush=True,
@@ -214,12 +294,18 @@ def main(argv: list[str] | None = None) -> dict:
         )
         for r in rows_out
     }
-    for interval in args.switch_intervals:
-        got = [
-            round(r["ratio_to_both_ways"], 3) for r in library if r["switch_interval"] == interval
-        ]
-        figures[f"library_switch_{interval:g}"] = got
-        print(f"library, switch interval {interval:g} s, of the bound: {got}")
+    for in_flight in args.in_flight:
+        for interval in args.switch_intervals:
+            got = [
+                round(r["ratio_to_both_ways"], 3)
+                for r in library
+                if r["switch_interval"] == interval and r["in_flight"] == in_flight
+            ]
+            figures[f"library_in_flight_{in_flight}_switch_{interval:g}"] = got
+            print(
+                f"library, in_flight {in_flight}, switch interval {interval:g} s, "
+                f"of the bound: {got}"
+            )
     save(args, BENCHMARK, result, figures, result["device"])
     return result
 
@@ -228,30 +314,39 @@ def library_runs(
     args: argparse.Namespace, host: np.ndarray, part: int, func: Callable, expect: np.ndarray
 ) -> list[dict[str, Any]]:
     """The pinned path through ``dask_overlap.map_blocks`` after a warm-up, ``args.repeat``
-    rounds of a run at each of ``args.switch_intervals`` in turn (Python's switch interval:
-    how long a thread that wants the GIL waits before asking its holder to let go; the
-    runner's completions come back on threads of their own): each run's GB/s and whether
-    its first rows are right."""
+    rounds of a run at each ``in_flight`` of ``args.in_flight`` and each of
+    ``args.switch_intervals`` in turn (Python's switch interval: how long a thread that
+    wants the GIL waits before asking its holder to let go; the runner's completions come
+    back on threads of their own): each run's GB/s and whether its first rows are right."""
     x = array_of_views(host, part)
-    arr = dask_overlap.map_blocks(func, x, split_axis=0, dtype=np.float32, out="pinned")
     threaded = {"scheduler": "threads", "num_workers": args.threads}
-    warm_up(arr, **threaded)
+    arrays = {}
+    for in_flight in args.in_flight:
+        arrays[in_flight] = dask_overlap.map_blocks(
+            func, x, split_axis=0, dtype=np.float32, out="pinned", in_flight=in_flight
+        )
+        warm_up(arrays[in_flight], **threaded)
     runs = []
     default = sys.getswitchinterval()
     try:
         for i in range(args.repeat):
-            for interval in args.switch_intervals:
-                sys.setswitchinterval(interval)
-                got = None  # the last run's results leave the pool first
-                seconds, got = persist_chunks(arr, **threaded)
-                row = {
-                    "round": i,
-                    "switch_interval": interval,
-                    "gbps": host.nbytes / seconds / GB,
-                    "correct": bool(np.array_equal(got[0][: len(expect)], expect)),
-                }
-                runs.append(row)
-                print(f"  library, switch interval {interval:g} s: {row['gbps']:6.2f} GB/s")
+            for in_flight, arr in arrays.items():
+                for interval in args.switch_intervals:
+                    sys.setswitchinterval(interval)
+                    got = None  # the last run's results leave the pool first
+                    seconds, got = persist_chunks(arr, **threaded)
+                    row = {
+                        "round": i,
+                        "in_flight": in_flight,
+                        "switch_interval": interval,
+                        "gbps": host.nbytes / seconds / GB,
+                        "correct": bool(np.array_equal(got[0][: len(expect)], expect)),
+                    }
+                    runs.append(row)
+                    print(
+                        f"  library, in_flight {in_flight}, switch interval {interval:g} s: "
+                        f"{row['gbps']:6.2f} GB/s"
+                    )
     finally:
         sys.setswitchinterval(default)
     return runs
