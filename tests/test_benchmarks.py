@@ -502,18 +502,40 @@ def test_copy_streams_runs_the_library_at_each_setting_in_turn(monkeypatch):
     func = common.make_kernel(2)
     expect = func(host[:4])
     args = argparse.Namespace(
-        threads=2, repeat=2, in_flight=[2, 4], switch_intervals=[0.004, 0.001]
+        threads=2, repeat=2, in_flight=[2, 4], switch_intervals=[0.004, 0.001], untimed=True
     )
+    import dask_overlap
+    from dask_overlap.pipeline.sampling import StageSampler
+
+    # The host backend's marks cost nothing, so it has no sampler: give it one, as the
+    # cuda backend has, whose estimates stand in for the untimed runs' spans.
+    monkeypatch.setattr(dask_overlap.get_runtime(), "sampler", StageSampler())
     before = sys.getswitchinterval()
+    enqueue = copy_streams_work().device_work
     runs = copy_streams.library_runs(args, host, 16, func, expect)
     assert sys.getswitchinterval() == before
-    assert [(r["round"], r["in_flight"], r["switch_interval"]) for r in runs] == [
-        (i, f, s) for i in (0, 1) for f in (2, 4) for s in (0.004, 0.001)
+    assert copy_streams_work().device_work is enqueue  # the untimed runs' patch undone
+    assert [
+        (r["round"], r["in_flight"], r["switch_interval"], r["device_timing"]) for r in runs
+    ] == [
+        (i, f, s, t) for i in (0, 1) for f in (2, 4) for s in (0.004, 0.001) for t in (True, False)
     ]
+    # Each run's lead and tail are measured and within the run (an estimated span may end
+    # a little after it: its stages take what a timed partition's took).
+    seconds = [64 * common.COLS * 4 / r["gbps"] / common.GB for r in runs]
+    assert all(
+        0 <= r["lead_s"] < s and abs(r["tail_s"]) < s for r, s in zip(runs, seconds, strict=True)
+    )
     assert all(r["correct"] and r["gbps"] > 0 for r in runs)
     # A wrong expectation is seen as wrong: the check compares values.
     wrong = copy_streams.library_runs(args, host, 16, func, expect + 1)
     assert not any(r["correct"] for r in wrong)
+
+
+def copy_streams_work():
+    from dask_overlap.pipeline.work import PartitionWork
+
+    return PartitionWork
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,11 @@ hop through a waiter thread costs it.
 Then the library's pinned path itself on the same input (``bench_limits.py``'s pinned
 row: ``split_axis=0``, ``out="pinned"``, ``--threads`` Dask threads), ``--repeat`` rounds
 of a run at each ``in_flight`` of ``--in-flight`` and each Python switch interval of
-``--switch-intervals`` in turn.
+``--switch-intervals`` in turn; with ``--untimed``, each also with the device timing of
+its sub-chunks off (four timing events each, read back once it completed: the timeline's
+spans are then estimated, see ``pipeline/sampling.py``). Each run says how long it ran
+before its first copy in began on the device (``lead_s``: Dask's and the task's start)
+and after its last copy out ended (``tail_s``), from the runtime's timeline.
 
 What it found on an H100 (copy-streams.json): the hardware is not the limit. Each
 sub-chunk on its own stream ran at 1.01 of the both-ways bound with the kernel, one copy
@@ -50,12 +54,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import dask
@@ -213,6 +218,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="in_flight of the library's runs, in turn (4: the library's default)",
     )
     p.add_argument(
+        "--untimed",
+        action="store_true",
+        help="the library's runs also with its sub-chunks' device timing off, in turn",
+    )
+    p.add_argument(
         "--switch-intervals",
         type=seconds_list,
         default="0.005,0.0005",
@@ -296,16 +306,20 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for in_flight in args.in_flight:
         for interval in args.switch_intervals:
-            got = [
-                round(r["ratio_to_both_ways"], 3)
-                for r in library
-                if r["switch_interval"] == interval and r["in_flight"] == in_flight
-            ]
-            figures[f"library_in_flight_{in_flight}_switch_{interval:g}"] = got
-            print(
-                f"library, in_flight {in_flight}, switch interval {interval:g} s, "
-                f"of the bound: {got}"
-            )
+            for timed in sorted({r["device_timing"] for r in library}, reverse=True):
+                got = [
+                    round(r["ratio_to_both_ways"], 3)
+                    for r in library
+                    if r["switch_interval"] == interval
+                    and r["in_flight"] == in_flight
+                    and r["device_timing"] == timed
+                ]
+                name = f"library_in_flight_{in_flight}_switch_{interval:g}"
+                figures[name if timed else f"{name}_untimed"] = got
+                print(
+                    f"library, in_flight {in_flight}, switch interval {interval:g} s, device "
+                    f"timing {'on' if timed else 'off'}, of the bound: {got}"
+                )
     save(args, BENCHMARK, result, figures, result["device"])
     return result
 
@@ -314,42 +328,85 @@ def library_runs(
     args: argparse.Namespace, host: np.ndarray, part: int, func: Callable, expect: np.ndarray
 ) -> list[dict[str, Any]]:
     """The pinned path through ``dask_overlap.map_blocks`` after a warm-up, ``args.repeat``
-    rounds of a run at each ``in_flight`` of ``args.in_flight`` and each of
-    ``args.switch_intervals`` in turn (Python's switch interval: how long a thread that
-    wants the GIL waits before asking its holder to let go; the runner's completions come
-    back on threads of their own): each run's GB/s and whether its first rows are right."""
+    rounds of a run at each ``in_flight`` of ``args.in_flight``, each of
+    ``args.switch_intervals`` (Python's switch interval: how long a thread that wants the
+    GIL waits before asking its holder to let go; the runner's completions come back on
+    threads of their own) and, with ``args.untimed``, device timing on and off, in turn:
+    each run's GB/s, whether its first rows are right, and its lead and tail."""
     x = array_of_views(host, part)
     threaded = {"scheduler": "threads", "num_workers": args.threads}
+    rt = dask_overlap.get_runtime()
     arrays = {}
     for in_flight in args.in_flight:
         arrays[in_flight] = dask_overlap.map_blocks(
             func, x, split_axis=0, dtype=np.float32, out="pinned", in_flight=in_flight
         )
         warm_up(arrays[in_flight], **threaded)
+    # Off only where timing is a driver call and a sampler estimates the spans instead.
+    timings = (True, False) if getattr(args, "untimed", False) and rt.sampler else (True,)
     runs = []
     default = sys.getswitchinterval()
     try:
         for i in range(args.repeat):
             for in_flight, arr in arrays.items():
                 for interval in args.switch_intervals:
-                    sys.setswitchinterval(interval)
-                    got = None  # the last run's results leave the pool first
-                    seconds, got = persist_chunks(arr, **threaded)
-                    row = {
-                        "round": i,
-                        "in_flight": in_flight,
-                        "switch_interval": interval,
-                        "gbps": host.nbytes / seconds / GB,
-                        "correct": bool(np.array_equal(got[0][: len(expect)], expect)),
-                    }
-                    runs.append(row)
-                    print(
-                        f"  library, in_flight {in_flight}, switch interval {interval:g} s: "
-                        f"{row['gbps']:6.2f} GB/s"
-                    )
+                    for timed in timings:
+                        sys.setswitchinterval(interval)
+                        got = None  # the last run's results leave the pool first
+                        rt.timeline.clear()
+                        start = time.time()
+                        with contextlib.nullcontext() if timed else untimed():
+                            seconds, got = persist_chunks(arr, **threaded)
+                        row = {
+                            "round": i,
+                            "in_flight": in_flight,
+                            "switch_interval": interval,
+                            "device_timing": timed,
+                            "gbps": host.nbytes / seconds / GB,
+                            "correct": bool(np.array_equal(got[0][: len(expect)], expect)),
+                            **lead_and_tail(list(rt.timeline), start, start + seconds),
+                        }
+                        runs.append(row)
+                        print(
+                            f"  library, in_flight {in_flight}, switch interval {interval:g} s,"
+                            f" device timing {'on ' if timed else 'off'}: "
+                            f"{row['gbps']:6.2f} GB/s, lead {row['lead_s'] * 1e3:.1f} ms, "
+                            f"tail {row['tail_s'] * 1e3:.1f} ms"
+                        )
     finally:
         sys.setswitchinterval(default)
     return runs
+
+
+@contextlib.contextmanager
+def untimed() -> Iterator[None]:
+    """Sub-chunks enqueued with no timing events around their stages, while inside."""
+    from dask_overlap.pipeline.work import PartitionWork
+
+    enqueue = PartitionWork.device_work
+    PartitionWork.device_work = lambda self, i, stream, timed: enqueue(self, i, stream, False)
+    try:
+        yield
+    finally:
+        PartitionWork.device_work = enqueue
+
+
+def lead_and_tail(spans: list, start: float, end: float) -> dict[str, float]:
+    """How long the run ``[start, end]`` went before its first copy in began and after
+    its last copy out ended, by the runtime's ``spans`` (``nan`` with none).
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace as S
+    >>> spans = [S(stage="h2d", start=1.5, end=2.0), S(stage="d2h", start=2.0, end=9.0)]
+    >>> lead_and_tail(spans, 1.0, 10.0)
+    {'lead_s': 0.5, 'tail_s': 1.0}
+    """
+    ins = [s.start for s in spans if s.stage == "h2d"]
+    outs = [s.end for s in spans if s.stage == "d2h"]
+    if not ins or not outs:
+        return {"lead_s": float("nan"), "tail_s": float("nan")}
+    return {"lead_s": min(ins) - start, "tail_s": end - max(outs)}
 
 
 def seconds_list(text: str) -> list[float]:
