@@ -698,3 +698,35 @@ def test_an_rmm_resource_set_before_is_used_not_replaced() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "kept PoolMemoryResource" in done.stdout
+
+
+def test_a_fragmented_pinned_pool_refuses_without_an_error_on_stderr(capfd) -> None:
+    """A request the pool's budget lets through but that no free run of the RMM pool fits
+    (two 16 MiB holes, 32 MiB asked): RMM logs its failed growth as an error, the library
+    refuses quietly (``None``, counted) and leaves RMM's log level as it was."""
+    import rmm
+
+    level = rmm.get_logging_level()
+    device = runtime().backend.device_id
+    pool = cuda_memory.PinnedPool(64 * 2**20, device)
+    mib16 = 16 * 2**20
+    with cp.cuda.Device(device):
+        ptrs = [pool.mr.allocate(mib16, pool._stream) for _ in range(4)]
+        for p in (ptrs[0], ptrs[2]):
+            pool.mr.deallocate(p, mib16, pool._stream)
+        capfd.readouterr()
+        with pytest.raises(Exception, match="(?i)maximum pool size"):  # RMM itself: logged
+            pool.mr.allocate(2 * mib16, pool._stream)
+        rmm.flush_logger()
+        assert "maximum pool size exceeded" in capfd.readouterr().err
+        assert pool.allocate(2 * mib16) is None
+        rmm.flush_logger()
+        err = capfd.readouterr().err
+        assert pool.refused == 1 and pool.in_use == 0
+        assert "maximum pool size exceeded" not in err and "[error" not in err
+        assert rmm.get_logging_level() == level
+        for p in (ptrs[1], ptrs[3]):
+            pool.mr.deallocate(p, mib16, pool._stream)
+    # Room again (the holes joined): served.
+    block = pool.allocate(2 * mib16)
+    assert block is not None and block.nbytes == 2 * mib16

@@ -64,6 +64,42 @@ class _Span:
         self.size = size
 
 
+class _QuietRmm:
+    """RMM's log held at ``critical`` while the pinned pool asks RMM for a block.
+
+    The pinned pool never grows (its whole size is allocated once), so a request that its
+    budget lets through but that finds no free run of that length (a fragmented pool)
+    makes RMM's pool try to grow, fail, and log ``[error] ... FAILURE maximum pool size
+    exceeded`` on standard error before it raises. The caller falls back to pageable
+    memory and counts it (``pinned_refused``): an expected, handled event, which should
+    not read as an error in the output of a user's run. RMM's level is process-wide, so
+    concurrent callers share one lowering (counted), and anyone else's RMM error logged
+    inside that window of microseconds is silenced too.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._level: Any = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._level = rmm.get_logging_level()
+                if self._level < rmm.level_enum.critical:
+                    rmm.set_logging_level(rmm.level_enum.critical)
+            self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._level < rmm.level_enum.critical:
+                rmm.set_logging_level(self._level)
+
+
+_QUIET_RMM = _QuietRmm()
+
+
 class PinnedPool(HostPool):
     """A :class:`HostPool` whose blocks are pinned memory from an RMM pool.
 
@@ -136,7 +172,7 @@ class PinnedPool(HostPool):
             self._release_kept()
         for again in (False, True):
             try:
-                with self._device:
+                with self._device, _QUIET_RMM:
                     return self.mr.allocate(nbytes, self._stream)
             except Exception as e:
                 # Out of pool, or fragmented: once more after giving the kept blocks back,
