@@ -43,7 +43,12 @@ What it found on an H100 (copy-streams.json): the hardware is not the limit. Eac
 sub-chunk on its own stream ran at 1.01 of the both-ways bound with the kernel, one copy
 stream each way at 0.98; the library's pinned path at 0.92. Copy lanes in the library
 (every copy of a direction on one stream, at a1b7949, since reverted) ran at 0.906-0.910
-against 0.915-0.927 without, in turn in one call.
+against 0.915-0.927 without, in turn in one call. On another H100 host (bound 36.1-36.7
+GB/s), a window of 16 reached 0.94-1.00 of the bound waited on here and 0.93-0.98 through
+waiter threads, where the library ran 0.89-0.92 at ``in_flight`` 4 and 8 and at either
+switch interval; with its device timing off, 0.882, 0.916 and 0.944 against 0.877, 0.839
+and 0.884 with it on, in turn: the lead is the four timing events of every cut
+sub-chunk.
 
 Example (on the GPU)::
 
