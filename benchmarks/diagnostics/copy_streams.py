@@ -81,6 +81,7 @@ from common import (  # noqa: E402
     add_repeat,
     array_of_views,
     byte_count,
+    comma_list,
     copy_only_seconds,
     device_name,
     fused_kernel,
@@ -348,7 +349,7 @@ def library_runs(
         )
         warm_up(arrays[in_flight], **threaded)
     # Off only where timing is a driver call and a sampler estimates the spans instead.
-    timings = (True, False) if getattr(args, "untimed", False) and rt.sampler else (True,)
+    timings = (True, False) if args.untimed and rt.sampler else (True,)
     runs = []
     default = sys.getswitchinterval()
     try:
@@ -423,7 +424,7 @@ def seconds_list(text: str) -> list[float]:
     [0.005, 0.0005]
     """
     try:
-        got = [float(t) for t in text.split(",")]
+        got = comma_list(text, float)
     except ValueError:
         got = []
     if not got or min(got) <= 0:
