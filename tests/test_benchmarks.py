@@ -502,23 +502,31 @@ def test_copy_streams_runs_the_library_at_each_setting_in_turn(monkeypatch):
     func = common.make_kernel(2)
     expect = func(host[:4])
     args = argparse.Namespace(
-        threads=2, repeat=2, in_flight=[2, 4], switch_intervals=[0.004, 0.001], untimed=True
+        threads=2,
+        repeat=2,
+        in_flight=[2, 4],
+        switch_intervals=[0.004, 0.001],
+        timing=["sampled", "all", "off"],
     )
     import dask_overlap
     from dask_overlap.pipeline.sampling import StageSampler
 
     # The host backend's marks cost nothing, so it has no sampler: give it one, as the
-    # cuda backend has, whose estimates stand in for the untimed runs' spans.
+    # cuda backend has, whose estimates stand in for the spans of sub-chunks not timed.
     monkeypatch.setattr(dask_overlap.get_runtime(), "sampler", StageSampler())
     before = sys.getswitchinterval()
-    enqueue = copy_streams_work().device_work
+    decide = copy_streams_work().timed
     runs = copy_streams.library_runs(args, host, 16, func, expect)
     assert sys.getswitchinterval() == before
-    assert copy_streams_work().device_work is enqueue  # the untimed runs' patch undone
+    assert copy_streams_work().timed is decide  # the timing patches undone
     assert [
         (r["round"], r["in_flight"], r["switch_interval"], r["device_timing"]) for r in runs
     ] == [
-        (i, f, s, t) for i in (0, 1) for f in (2, 4) for s in (0.004, 0.001) for t in (True, False)
+        (i, f, s, t)
+        for i in (0, 1)
+        for f in (2, 4)
+        for s in (0.004, 0.001)
+        for t in ("sampled", "all", "off")
     ]
     # Each run's lead and tail are measured and within the run (an estimated span may end
     # a little after it: its stages take what a timed partition's took).
@@ -530,6 +538,42 @@ def test_copy_streams_runs_the_library_at_each_setting_in_turn(monkeypatch):
     # A wrong expectation is seen as wrong: the check compares values.
     wrong = copy_streams.library_runs(args, host, 16, func, expect + 1)
     assert not any(r["correct"] for r in wrong)
+
+
+def test_copy_streams_timing_modes_time_every_sub_chunk_some_or_none(monkeypatch):
+    """``all`` marks every sub-chunk of a cut partition, ``off`` none, ``sampled`` (the
+    library's own rule) the call's first and then one a period; each run is right."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    sys.path.insert(0, str(BENCHMARKS / "diagnostics"))
+    import copy_streams
+    import dask.array as da
+    import numpy as np
+
+    import dask_overlap
+    from dask_overlap.pipeline import sampling
+
+    monkeypatch.setattr(sampling, "SAMPLE_SECONDS", 3600.0)  # one timed, in any test run
+    rt = dask_overlap.get_runtime("host")
+    monkeypatch.setattr(rt, "sampler", sampling.StageSampler())
+    marks: list[int] = []
+    mark = rt.backend.mark
+    monkeypatch.setattr(rt.backend, "mark", lambda s: marks.append(1) or mark(s))
+    a = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    counted = {}
+    for mode in ("sampled", "all", "off"):
+        y = dask_overlap.map_blocks(
+            np.negative,
+            da.from_array(a, chunks=(32, 16)),
+            split_axis=0,
+            sub_chunk_bytes=8 * 16 * 4,
+            in_flight=1,  # each sub-chunk learned before the next starts
+        )
+        marks.clear()
+        with copy_streams.timing(mode):
+            np.testing.assert_array_equal(y.compute(scheduler="sync"), -a)
+        counted[mode] = len(marks) // 4
+    # 2 partitions of 4 sub-chunks each; sampled: the first one of the call only.
+    assert counted == {"sampled": 1, "all": 8, "off": 0}
 
 
 def copy_streams_work():

@@ -167,6 +167,34 @@ def test_sampled_timing_times_some_partitions_and_estimates_the_others(monkeypat
     assert sum(stats["busy_seconds"].values()) == pytest.approx(sum(s.end - s.start for s in spans))
 
 
+def test_sampled_timing_samples_the_sub_chunks_of_cut_partitions_too(monkeypatch):
+    """A partition cut into sub-chunks is sampled as whole ones are: with one sub-chunk in
+    flight, the call's first is timed and the others estimated; each still has its three
+    spans, the real bytes and its busy seconds."""
+    from dask_overlap.pipeline import sampling
+
+    monkeypatch.setattr(sampling, "SAMPLE_SECONDS", 3600.0)
+    monkeypatch.setattr(sampling, "ALWAYS_TIMED_BYTES", 1)  # ignored for cut partitions
+    a = np.random.default_rng(2).standard_normal((256, 32))
+    rt = dask_overlap.get_runtime("host")
+    rt.sampler = sampling.StageSampler()
+    y = dask_overlap.map_blocks(
+        np.negative,
+        da.from_array(a, chunks=(128, 32)),
+        split_axis=0,
+        sub_chunk_bytes=32 * 32 * 8,  # 4 sub-chunks a partition
+        in_flight=1,
+    )
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), -a)
+    stats = wait_until_idle()
+    assert stats["partitions"] == 2 and stats["sub_chunks"] == 8
+    assert stats["sub_chunks_estimated"] == 7
+    assert stats["bytes_h2d"] == stats["bytes_d2h"] == a.nbytes
+    spans = [s for s in rt.timeline if s.key[0] == y.name]
+    assert sorted(s.stage for s in spans) == ["compute"] * 8 + ["d2h"] * 8 + ["h2d"] * 8
+    assert all(s.end > s.start for s in spans)
+
+
 @pytest.mark.parametrize("out", ["pinned", "device"])
 def test_small_partitions_skip_the_ring_for_every_out(out):
     """Only the input is staged for ``out="device"`` (nothing comes back), and ``"pinned"``

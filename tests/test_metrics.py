@@ -471,6 +471,8 @@ def test_the_sampler_times_one_partition_per_period_per_call_and_large_ones_alwa
     assert not s.due("a", 100, now=SAMPLE_SECONDS / 2)
     assert s.due("b", 100, now=SAMPLE_SECONDS / 2)  # another call: its own clock
     assert s.due("a", ALWAYS_TIMED_BYTES, now=SAMPLE_SECONDS / 2)
+    # A sub-chunk of a partition cut into several is sampled whatever its size.
+    assert not s.due("a", ALWAYS_TIMED_BYTES, now=SAMPLE_SECONDS / 2, cut=True)
     assert s.due("a", 100, now=SAMPLE_SECONDS * 1.5)
     assert not s.due("a", 100, now=SAMPLE_SECONDS * 1.6)
     got = s.estimate("a", 10.0, {"h2d": 200, "compute": 200, "d2h": 0})

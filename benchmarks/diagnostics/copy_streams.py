@@ -33,9 +33,11 @@ hop through a waiter thread costs it.
 Then the library's pinned path itself on the same input (``bench_limits.py``'s pinned
 row: ``split_axis=0``, ``out="pinned"``, ``--threads`` Dask threads), ``--repeat`` rounds
 of a run at each ``in_flight`` of ``--in-flight`` and each Python switch interval of
-``--switch-intervals`` in turn; with ``--untimed``, each also with the device timing of
-its sub-chunks off (four timing events each, read back once it completed: the timeline's
-spans are then estimated, see ``pipeline/sampling.py``). Each run says how long it ran
+``--switch-intervals`` in turn, and each of ``--timing`` in turn: ``sampled`` (the
+library as it is: a call's first sub-chunks timed on the device, then one every 10 ms,
+see ``pipeline/sampling.py``), ``all`` (four timing events around every sub-chunk's
+stages, read back once it completed: the library before it sampled cut partitions) or
+``off`` (none: the timeline's spans are then estimated). Each run says how long it ran
 before its first copy in began on the device (``lead_s``: Dask's and the task's start)
 and after its last copy out ended (``tail_s``), from the runtime's timeline.
 
@@ -100,6 +102,7 @@ from common import (  # noqa: E402
 
 BENCHMARK = "copy-streams"
 LAYOUTS = ("per-stream", "copy-streams", "windowed", "windowed-waiter")
+TIMINGS = ("sampled", "all", "off")
 WINDOWED = ("windowed", "windowed-waiter")
 
 
@@ -224,9 +227,18 @@ def main(argv: list[str] | None = None) -> dict:
         help="in_flight of the library's runs, in turn (4: the library's default)",
     )
     p.add_argument(
-        "--untimed",
-        action="store_true",
-        help="the library's runs also with its sub-chunks' device timing off, in turn",
+        "--timing",
+        nargs="+",
+        choices=TIMINGS,
+        default=["sampled"],
+        help="device timing of the library's sub-chunks, in turn (sampled: the library's)",
+    )
+    p.add_argument(
+        "--layouts",
+        nargs="*",
+        choices=LAYOUTS,
+        default=list(LAYOUTS),
+        help="the plain CuPy layouts to run (none: the library's runs alone)",
     )
     p.add_argument(
         "--switch-intervals",
@@ -260,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     subs = _subs(host_in, host_out, sub)
     rows_out: list[dict[str, Any]] = []
     for slots in args.streams:
-        for layout in LAYOUTS:
+        for layout in args.layouts:
             for with_kernel in (True, False):
                 runs = [
                     issue(layout, subs, slots, kernel if with_kernel else None, args.window)
@@ -312,19 +324,19 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for in_flight in args.in_flight:
         for interval in args.switch_intervals:
-            for timed in sorted({r["device_timing"] for r in library}, reverse=True):
+            for timing in args.timing:
                 got = [
                     round(r["ratio_to_both_ways"], 3)
                     for r in library
                     if r["switch_interval"] == interval
                     and r["in_flight"] == in_flight
-                    and r["device_timing"] == timed
+                    and r["device_timing"] == timing
                 ]
-                name = f"library_in_flight_{in_flight}_switch_{interval:g}"
-                figures[name if timed else f"{name}_untimed"] = got
+                name = f"library_in_flight_{in_flight}_switch_{interval:g}_timing_{timing}"
+                figures[name] = got
                 print(
                     f"library, in_flight {in_flight}, switch interval {interval:g} s, device "
-                    f"timing {'on' if timed else 'off'}, of the bound: {got}"
+                    f"timing {timing}, of the bound: {got}"
                 )
     save(args, BENCHMARK, result, figures, result["device"])
     return result
@@ -337,8 +349,9 @@ def library_runs(
     rounds of a run at each ``in_flight`` of ``args.in_flight``, each of
     ``args.switch_intervals`` (Python's switch interval: how long a thread that wants the
     GIL waits before asking its holder to let go; the runner's completions come back on
-    threads of their own) and, with ``args.untimed``, device timing on and off, in turn:
-    each run's GB/s, whether its first rows are right, and its lead and tail."""
+    threads of their own) and each device timing of ``args.timing`` (see
+    :func:`timing`), in turn: each run's GB/s, whether its first rows are right, and its
+    lead and tail."""
     x = array_of_views(host, part)
     threaded = {"scheduler": "threads", "num_workers": args.threads}
     rt = dask_overlap.get_runtime()
@@ -348,26 +361,24 @@ def library_runs(
             func, x, split_axis=0, dtype=np.float32, out="pinned", in_flight=in_flight
         )
         warm_up(arrays[in_flight], **threaded)
-    # Off only where timing is a driver call and a sampler estimates the spans instead.
-    timings = (True, False) if args.untimed and rt.sampler else (True,)
     runs = []
     default = sys.getswitchinterval()
     try:
         for i in range(args.repeat):
             for in_flight, arr in arrays.items():
                 for interval in args.switch_intervals:
-                    for timed in timings:
+                    for mode in args.timing:
                         sys.setswitchinterval(interval)
                         got = None  # the last run's results leave the pool first
                         rt.timeline.clear()
                         start = time.time()
-                        with contextlib.nullcontext() if timed else untimed():
+                        with timing(mode):
                             seconds, got = persist_chunks(arr, **threaded)
                         row = {
                             "round": i,
                             "in_flight": in_flight,
                             "switch_interval": interval,
-                            "device_timing": timed,
+                            "device_timing": mode,
                             "gbps": host.nbytes / seconds / GB,
                             "correct": bool(np.array_equal(got[0][: len(expect)], expect)),
                             **lead_and_tail(list(rt.timeline), start, start + seconds),
@@ -375,7 +386,7 @@ def library_runs(
                         runs.append(row)
                         print(
                             f"  library, in_flight {in_flight}, switch interval {interval:g} s,"
-                            f" device timing {'on ' if timed else 'off'}: "
+                            f" device timing {mode:7s}: "
                             f"{row['gbps']:6.2f} GB/s, lead {row['lead_s'] * 1e3:.1f} ms, "
                             f"tail {row['tail_s'] * 1e3:.1f} ms"
                         )
@@ -385,16 +396,21 @@ def library_runs(
 
 
 @contextlib.contextmanager
-def untimed() -> Iterator[None]:
-    """Sub-chunks enqueued with no timing events around their stages, while inside."""
+def timing(mode: str) -> Iterator[None]:
+    """While inside, the library's sub-chunks timed on the device as ``mode`` says:
+    ``sampled`` (as the library decides), ``all`` or ``off``. Where the backend's marks
+    cost nothing it has no sampler, and every sub-chunk is timed whatever ``mode``."""
     from dask_overlap.pipeline.work import PartitionWork
 
-    enqueue = PartitionWork.device_work
-    PartitionWork.device_work = lambda self, i, stream, timed: enqueue(self, i, stream, False)
+    if mode == "sampled" or dask_overlap.get_runtime().sampler is None:
+        yield
+        return
+    decide = PartitionWork.timed
+    PartitionWork.timed = lambda self, i: mode == "all"
     try:
         yield
     finally:
-        PartitionWork.device_work = enqueue
+        PartitionWork.timed = decide
 
 
 def lead_and_tail(spans: list, start: float, end: float) -> dict[str, float]:

@@ -215,4 +215,5 @@ class ThreadedExecutor(_Executor):
             else:
                 stream.on_complete(self._callback(i, Stage.D2H, completed))
 
-        stream.submit(work.device_work(i, stream, True), self._callback(i, Stage.H2D, issued))
+        timed = work.timed(i)
+        stream.submit(work.device_work(i, stream, timed), self._callback(i, Stage.H2D, issued))

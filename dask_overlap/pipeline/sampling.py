@@ -11,13 +11,21 @@ eight calls, most of it waiting for the GIL (``py-spy record --native --idle``, 
 So the lean path times a partition's stages only now and then: the first partitions of
 each ``map_blocks`` call, then one every :data:`SAMPLE_SECONDS` per call, and every
 partition that moves :data:`ALWAYS_TIMED_BYTES` or more (beside whose copies the timing
-costs nothing). A partition that is not timed still reaches the timeline, the busy
-seconds and the task's fine metrics, with *estimated* spans: each stage takes what it
-took in the call's last timed partition, scaled by its bytes, one after the other from
-the moment the partition was handed to its stream. Partitions of one call run the same
-``func`` on blocks of the same shape, so the estimate follows the last measurement; the
-bytes moved are always the real ones. The engine's path (partitions cut into
-sub-chunks, large by construction) times every stage.
+cost nothing measurable: ``benchmarks/diagnostics/timing_threshold.py``). A partition
+that is not timed still reaches the timeline, the busy seconds and the task's fine
+metrics, with *estimated* spans: each stage takes what it took in the call's last timed
+partition, scaled by its bytes, one after the other from the moment the partition was
+handed to its stream. Partitions of one call run the same ``func`` on blocks of the same
+shape, so the estimate follows the last measurement; the bytes moved are always the real
+ones.
+
+The sub-chunks of a partition cut into several (the engine's path) are sampled the same
+way, whatever their size: the first ones of a call, then one every
+:data:`SAMPLE_SECONDS`. There the four events go to several streams at once, each
+sub-chunk's completion comes back through a waiter thread, and the task thread that
+records and reads them is the one that must issue the next sub-chunk in time to keep both
+copy engines fed; on an H100 the opt-in pinned path ran faster with them off
+(``benchmarks/diagnostics/copy_streams.py --timing``).
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ class StageSampler:
     [False, False, True]
     >>> s.due("y", 2**30, now=0.021)  # large: always timed
     True
+    >>> s.due("y", 2**30, now=0.022, cut=True)  # but a sub-chunk of a cut one is sampled
+    False
     >>> s.estimate("y", 10.0, {"h2d": 500, "compute": 500})
     [('h2d', 10.0, 10.25, 500), ('compute', 10.25, 10.5, 500)]
     """
@@ -62,11 +72,12 @@ class StageSampler:
         self._learned: dict[Any, tuple[tuple[str, float, int], ...]] = {}
         self._timed_at: dict[Any, float] = {}  # when the call's last timed partition began
 
-    def due(self, name: Any, nbytes: int, now: float) -> bool:
+    def due(self, name: Any, nbytes: int, now: float, cut: bool = False) -> bool:
         """Whether the partition of call ``name`` that moves ``nbytes`` in, starting at
         ``now`` (``time.monotonic()``), has its stages timed; if so, the next one of the
-        call is not before :data:`SAMPLE_SECONDS`."""
-        if nbytes >= ALWAYS_TIMED_BYTES:
+        call is not before :data:`SAMPLE_SECONDS`. With ``cut``, it is a sub-chunk of a
+        partition cut into several: sampled whatever its size (see the module docstring)."""
+        if nbytes >= ALWAYS_TIMED_BYTES and not cut:
             return True
         last = self._timed_at.get(name)
         if last is not None and now - last < SAMPLE_SECONDS and name in self._learned:

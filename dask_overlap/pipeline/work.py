@@ -328,9 +328,10 @@ class PartitionWork:
 
     def timed(self, i: int) -> bool:
         """Whether sub-chunk ``i``'s device stages are timed on the device: always, unless
-        the backend's marks are dear and the partition is one sub-chunk (then now and then
-        only, see ``sampling``; its stages are estimated otherwise)."""
+        the backend's marks are dear (then now and then only, see ``sampling``; its stages
+        are estimated otherwise)."""
         sampler = self.rt.sampler
-        if sampler is None or self.lay.cut:
+        if sampler is None:
             return True
-        return sampler.due(self.spec.key[0], self.subs[i].h2d_bytes, time.monotonic())
+        nbytes = self.subs[i].h2d_bytes
+        return sampler.due(self.spec.key[0], nbytes, time.monotonic(), self.lay.cut)
