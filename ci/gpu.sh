@@ -163,7 +163,8 @@ run_streams() {
     # Issue 31's pinned path: the same copies and kernel in plain CuPy (each sub-chunk on a
     # stream of its own as the library, the copies on one stream each way, or a bounded
     # window), beside the library's path by in_flight, switch interval and, with
-    # --untimed, device timing on and off (copy-streams.json).
+    # --timing sampled|all|off, its device timing as shipped, on every sub-chunk or off
+    # (copy-streams.json).
     log "streams: copy_streams.py ${STREAMS_ARGS:-}"
     timeout "${STREAMS_LIMIT:-180}" python3 benchmarks/diagnostics/copy_streams.py \
         --record "$OUT" ${STREAMS_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 20 || status=1
