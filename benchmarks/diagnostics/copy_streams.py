@@ -49,8 +49,10 @@ against 0.915-0.927 without, in turn in one call. On another H100 host (bound 36
 GB/s), a window of 16 reached 0.94-1.00 of the bound waited on here and 0.93-0.98 through
 waiter threads, where the library ran 0.89-0.92 at ``in_flight`` 4 and 8 and at either
 switch interval; with its device timing off, 0.882, 0.916 and 0.944 against 0.877, 0.839
-and 0.884 with it on, in turn: the lead is the four timing events of every cut
-sub-chunk.
+and 0.884 with it on, in turn: the lead was the four timing events of every cut
+sub-chunk. With them sampled (e688e1a), on an H200, eight rounds in turn over two calls:
+sampled 0.862-0.899 of the bound (mean 0.882), every sub-chunk timed 0.802-0.880 (0.854),
+none 0.888-0.914 (0.900); sampled beat every sub-chunk timed in seven of eight.
 
 Example (on the GPU)::
 
