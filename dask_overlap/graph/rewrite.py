@@ -58,6 +58,7 @@ except ImportError:  # pragma: no cover - an older Dask: aliases stay tasks, tas
 __all__ = [
     "PARTITION_ANNOTATION",
     "alias_targets",
+    "block_data",
     "is_partition_template",
     "is_task_node",
     "inlined_data",
@@ -393,6 +394,25 @@ def inlined_data(dsk: Any, keys: Iterable[Any], reads: Callable[[Any], bool]) ->
             for dep in subs:
                 del out[dep]
     return dsk if out is None else out
+
+
+def block_data(key: Any, value: Any) -> Any:
+    """``value``, the entry for ``key`` of a layer of data (a persisted array's), as one of
+    Dask's data nodes where it is an array held in the graph (NumPy, CuPy or anything with
+    their array interfaces); ``None`` where it is a task, an alias, a future or something
+    else (or on an older Dask).
+
+    >>> import numpy as np
+    >>> block_data(("x", 0), np.ones(2)).value, block_data(("x", 0), ("y", 0))
+    (array([1., 1.]), None)
+    """
+    if DataNode is None:  # pragma: no cover - an older Dask
+        return None
+    if isinstance(value, GraphNode):
+        return value if _plain_data(value) else None
+    if not (hasattr(value, "__array_interface__") or hasattr(value, "__cuda_array_interface__")):
+        return None
+    return DataNode(key, value)
 
 
 def _plain_data(node: Any) -> bool:
