@@ -412,10 +412,19 @@ def test_counters_keep_the_most_partitions_that_ran_beside_the_last_to_leave():
 
 @pytest.mark.parametrize(
     "partition, expected",
-    [(256 << 20, 32 << 20), (48 << 20, 24 << 20), (16 << 20, 16 << 20), (1, 1), (0, 1)],
+    [
+        (256 << 20, 32 << 20),
+        (96 << 20, 32 << 20),
+        ((64 << 20) + 1, ((64 << 20) + 3) // 3),
+        (64 << 20, 64 << 20),
+        (48 << 20, 48 << 20),
+        (1, 1),
+        (0, 1),
+    ],
 )
 def test_auto_sub_chunks_of_pinned_input_are_even_pieces_of_at_most_32_mib(partition, expected):
-    """Unstaged: however many partitions run, cut into even pieces of at most 32 MiB."""
+    """Unstaged: however many partitions run, cut into even pieces of at most 32 MiB where
+    larger than 64 MiB; a partition of at most 64 MiB (a batch's size) is not cut."""
     from dask_overlap.pipeline.layout import auto_sub_chunk_bytes
 
     for running in (1, 4, 40):

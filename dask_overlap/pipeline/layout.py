@@ -34,11 +34,11 @@ __all__ = [
 AUTO_IN_FLIGHT = 4
 #: ...and never cuts below this size (smaller sub-chunks cost more host work per byte).
 AUTO_MIN_BYTES = 64 << 20
-#: The sub-chunk size of a partition whose inputs need no staging (pinned already): a cut
-#: then costs a copy and a kernel launch more, not a staging copy, and finer cuts fill and
-#: drain the copy engines sooner (H100, 4 GiB pinned, 256 MiB partitions, 4 threads:
-#: 0.918 of the both-ways bound at 32 MiB, 0.896 at 64 MiB, 0.841 whole:
-#: benchmarks/results/pinned-sub-chunk-sweep.json).
+#: The sub-chunk size of a partition whose inputs need no staging (pinned already) and
+#: that is larger than ``AUTO_MIN_BYTES``: a cut then costs a copy and a kernel launch
+#: more, not a staging copy, and finer cuts fill and drain the copy engines sooner (H100,
+#: 4 GiB pinned, 256 MiB partitions, 4 threads: 0.918 of the both-ways bound at 32 MiB,
+#: 0.896 at 64 MiB, 0.841 whole: benchmarks/results/pinned-sub-chunk-sweep.json).
 AUTO_UNSTAGED_BYTES = 32 << 20
 
 
@@ -145,7 +145,12 @@ def auto_sub_chunk_bytes(partition_bytes: int, running: int, staged: bool = True
     partitions that run at once already overlap each other's copies and kernels, and each
     cut adds host work, a staging copy more (measured on the H200: see ``overlap.yaml``).
     A partition whose inputs are pinned already is cut into even pieces of about
-    ``AUTO_UNSTAGED_BYTES`` however many run: its cuts cost no staging.
+    ``AUTO_UNSTAGED_BYTES`` however many run (its cuts cost no staging), where it is larger
+    than ``AUTO_MIN_BYTES``; one of at most that size, a batch of small blocks', is not cut:
+    such partitions overlap each other on the task threads, and a cut would hand its
+    stages to the stream and copy threads, host work that small partitions are short of
+    (H100, pinned input in 64 MiB batches, 4 threads: 4 MiB blocks 21.3 GB/s whole against
+    18.0 cut in two, 16 MiB blocks 29.8 against 26.8).
 
     Examples
     --------
@@ -154,10 +159,12 @@ def auto_sub_chunk_bytes(partition_bytes: int, running: int, staged: bool = True
     [64, 128, 128, 256, 256]
     >>> auto_sub_chunk_bytes(16 * MiB, 1) // MiB  # never below 64 MiB
     64
-    >>> [auto_sub_chunk_bytes(n * MiB, 16, staged=False) // MiB for n in (256, 48, 16)]
-    [32, 24, 16]
+    >>> [auto_sub_chunk_bytes(n * MiB, 16, staged=False) // MiB for n in (256, 96, 64, 16)]
+    [32, 32, 64, 16]
     """
     if not staged:
+        if partition_bytes <= AUTO_MIN_BYTES:
+            return max(1, int(partition_bytes))
         cuts = max(1, -(-int(partition_bytes) // AUTO_UNSTAGED_BYTES))
         return max(1, -(-int(partition_bytes) // cuts))
     cuts = -(-AUTO_IN_FLIGHT // max(1, running))
