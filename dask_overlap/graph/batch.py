@@ -204,6 +204,8 @@ def with_data_gathered(graph: HighLevelGraph, keys: Any) -> HighLevelGraph:
         values = {key: block_data(key, value) for key, value in source.items()}
         if any(v is None for v in values.values()) or not asked.isdisjoint(values):
             continue
+        if any(b not in values for blocks in layer.gathers.values() for b in blocks):
+            continue  # (a layer that does not hold every block gathered: left as it is)
         layers[name] = MaterializedLayer(
             {
                 key: keyed_task(key, gather, layer.axis, *(values[b] for b in blocks))
