@@ -19,14 +19,14 @@ import dask
 import dask.array as da
 import numpy as np
 from dask.base import tokenize
-from dask.core import flatten, reverse_dict
+from dask.core import reverse_dict
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from ..pipeline.layout import AUTO_MIN_BYTES, along, own_axis
 from ..pipeline.pieces import gather
 from .checks import as_list
 from .placement import distributed_workers
-from .rewrite import alias_targets, block_data, keyed_task, layer_of
+from .rewrite import alias_targets, asked_keys, block_data, keyed_task, layer_of
 
 __all__ = [
     "AUTO_MIN_PARTITIONS",
@@ -194,7 +194,7 @@ def with_data_gathered(graph: HighLevelGraph, keys: Any) -> HighLevelGraph:
     if not names:
         return graph
     readers = reverse_dict(graph.dependencies)
-    asked = set(flatten(keys)) if not isinstance(keys, (set, frozenset)) else keys
+    asked = asked_keys(keys)
     layers, deps = dict(graph.layers), dict(graph.dependencies)
     for name in names:
         layer: Gathered = graph.layers[name]

@@ -58,6 +58,7 @@ except ImportError:  # pragma: no cover - an older Dask: aliases stay tasks, tas
 __all__ = [
     "PARTITION_ANNOTATION",
     "alias_targets",
+    "asked_keys",
     "block_data",
     "is_partition_template",
     "is_task_node",
@@ -378,7 +379,7 @@ def inlined_data(dsk: Any, keys: Iterable[Any], reads: Callable[[Any], bool]) ->
     for t in dsk.values():
         for dep in t.dependencies:
             readers[dep] = readers.get(dep, 0) + 1
-    asked = set(flatten(keys)) if not isinstance(keys, (set, frozenset)) else keys
+    asked = asked_keys(keys)
     out = None
     for key in ours:
         t = dsk[key]
@@ -394,6 +395,16 @@ def inlined_data(dsk: Any, keys: Iterable[Any], reads: Callable[[Any], bool]) ->
             for dep in subs:
                 del out[dep]
     return dsk if out is None else out
+
+
+def asked_keys(keys: Any) -> set | frozenset:
+    """The keys asked of a graph's optimization (``keys``, nested lists as
+    ``__dask_keys__`` gives them, or a set) as a set.
+
+    >>> sorted(asked_keys([[("x", 0)], [("x", 1)]]))
+    [('x', 0), ('x', 1)]
+    """
+    return keys if isinstance(keys, (set, frozenset)) else set(flatten(keys))
 
 
 def block_data(key: Any, value: Any) -> Any:
