@@ -416,19 +416,21 @@ def test_counters_keep_the_most_partitions_that_ran_beside_the_last_to_leave():
         (256 << 20, 32 << 20),
         (96 << 20, 32 << 20),
         ((64 << 20) + 1, ((64 << 20) + 3) // 3),
-        (64 << 20, 64 << 20),
-        (48 << 20, 48 << 20),
+        (64 << 20, 32 << 20),
+        (48 << 20, 24 << 20),
         (1, 1),
         (0, 1),
     ],
 )
 def test_auto_sub_chunks_of_pinned_input_are_even_pieces_of_at_most_32_mib(partition, expected):
-    """Unstaged: however many partitions run, cut into even pieces of at most 32 MiB where
-    larger than 64 MiB; a partition of at most 64 MiB (a batch's size) is not cut."""
-    from dask_overlap.pipeline.layout import auto_sub_chunk_bytes
+    """Unstaged: however many partitions run, cut into even pieces of at most 32 MiB; a
+    batch of small blocks of at most 64 MiB is not cut, a larger one is."""
+    from dask_overlap.pipeline.layout import AUTO_MIN_BYTES, auto_sub_chunk_bytes
 
     for running in (1, 4, 40):
         assert auto_sub_chunk_bytes(partition, running, staged=False) == expected
+        batch = auto_sub_chunk_bytes(partition, running, staged=False, batch=True)
+        assert batch == (max(1, partition) if partition <= AUTO_MIN_BYTES else expected)
 
 
 def test_auto_sub_chunks_cut_pinned_input_finer_than_pageable(monkeypatch, as_on_a_device):
@@ -457,6 +459,36 @@ def test_auto_sub_chunks_cut_pinned_input_finer_than_pageable(monkeypatch, as_on
             for e in running:
                 rt.counters.leave(e)
         assert rt.stats()["sub_chunks"] - before == subs, (axis, source is pinned)
+
+
+def test_auto_sub_chunks_leave_a_batch_of_pinned_blocks_whole(monkeypatch, as_on_a_device):
+    """The same 64 KiB of pinned rows: as one block, a partition cut into 16-row pieces;
+    as four blocks of 16 rows joined by ``batch=4`` (a view of them, pinned), a batch of
+    at most ``AUTO_MIN_BYTES``, one sub-chunk."""
+    from dask_overlap.pipeline import layout
+
+    monkeypatch.setattr(layout, "AUTO_MIN_BYTES", 64 * 128 * 8)
+    monkeypatch.setattr(layout, "AUTO_UNSTAGED_BYTES", 16 * 128 * 8)  # 16 rows
+    a = np.arange(64 * 128, dtype=np.float64).reshape(64, 128)
+    rt = dask_overlap.get_runtime()
+    block = rt.backend.pinned.allocate(a.nbytes)
+    assert block is not None
+    pinned = block.view(a.dtype).reshape(a.shape)
+    pinned[...] = a
+    one = da.Array({("one-block", 0, 0): pinned}, "one-block", ((64,), (128,)), a.dtype)
+    four = da.Array(
+        {("four-blocks", i, 0): pinned[16 * i : 16 * (i + 1)] for i in range(4)},
+        "four-blocks",
+        ((16,) * 4, (128,)),
+        a.dtype,
+    )
+    for x, batch, partitions, subs in ((one, 1, 1, 4), (four, 4, 1, 1)):
+        before = rt.stats()
+        y = dask_overlap.map_blocks(np.negative, x, split_axis=0, batch=batch)
+        np.testing.assert_array_equal(y.compute(), -a)
+        after = rt.stats()
+        assert after["partitions"] - before["partitions"] == partitions, x.name
+        assert after["sub_chunks"] - before["sub_chunks"] == subs, x.name
 
 
 def test_a_partition_of_one_sub_chunk_runs_on_its_own_thread(monkeypatch):
