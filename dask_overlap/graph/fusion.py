@@ -49,6 +49,7 @@ from ..pipeline.program import Program
 from ..pipeline.task import PartitionTask
 from .batch import CutBack, with_data_gathered
 from .rewrite import (
+    asked_keys,
     inlined_data,
     is_partition_template,
     kept_apart,
@@ -191,10 +192,11 @@ def optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     :func:`fuse`, :func:`.rewrite.kept_apart` and :func:`.batch.with_data_gathered`, then
     the blocks of data only a gather or a partition reads put into it
     (:func:`.rewrite.inlined_data`): what :func:`install` sets as ``array_optimize``."""
+    asked = asked_keys(keys)  # (flattened once, for the passes of ours that ask)
     if isinstance(dsk, HighLevelGraph):
-        dsk = with_data_gathered(kept_apart(fuse(dsk, keys)), keys)
+        dsk = with_data_gathered(kept_apart(fuse(dsk, asked)), asked)
     dsk = (_previous or _dask_optimize)(dsk, keys, **kwargs)
-    return inlined_data(dsk, keys, _reads_blocks)
+    return inlined_data(dsk, asked, _reads_blocks)
 
 
 def _reads_blocks(task: Any) -> bool:
