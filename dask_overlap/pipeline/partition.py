@@ -273,11 +273,9 @@ def _staged(rt: Runtime, args: list[Any], spec: PartitionSpec) -> bool:
 def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
     """The partition's blocks as plain arrays (in ``args``, in place), and its layout."""
     is_device = rt.backend.is_device
-    batch = False
     for p in spec.array_positions:
         a = args[p]
         if type(a) is Pieces:  # several blocks for one partition (batch=): one array
-            batch = True
             a, copied = join(rt, a, partition_name(spec.key))
             args[p] = a
             if copied:
@@ -302,7 +300,7 @@ def _lay_out(rt: Runtime, args: list[Any], spec: PartitionSpec) -> Layout:
         size = sum(getattr(args[p], "nbytes", 0) for p in spec.array_positions)
         # This partition and those running beside it share the device.
         sub_chunk_bytes = auto_sub_chunk_bytes(
-            size, rt.counters.sharing(), _staged(rt, args, spec), batch
+            size, rt.counters.sharing(), _staged(rt, args, spec), spec.batch > 1
         )
     return layout(
         args,
