@@ -418,6 +418,7 @@ def test_counters_keep_the_most_partitions_that_ran_beside_the_last_to_leave():
         ((64 << 20) + 1, ((64 << 20) + 3) // 3),
         (64 << 20, 32 << 20),
         (48 << 20, 24 << 20),
+        (16 << 20, 16 << 20),
         (1, 1),
         (0, 1),
     ],
