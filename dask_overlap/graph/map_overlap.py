@@ -67,28 +67,35 @@ def _check_one_depth(value: Any, where: str) -> None:
         raise ValueError(f"depth{where} must be a non-negative integer, got {value}")
 
 
-def check_depth(depth: Any, ndim: int, which: str, keys: int) -> None:
-    """One array's ``depth``: an integer, a tuple per axis, or a dict by axis."""
-    if depth is None:
-        return
-    if isinstance(depth, dict):
-        for ax, d in depth.items():
+def _per_axis(
+    value: Any, name: str, which: str, keys: int, ndim: int | None = None
+) -> list[tuple[Any, str]]:
+    """``value`` of parameter ``name`` (``depth`` or ``boundary``) as (entry, where) pairs
+    to check one by one: a dict by axis (keys ``0 <= axis < keys``), a tuple per axis (of
+    ``ndim`` entries, where ``ndim`` is given), or one value for every axis."""
+    if isinstance(value, dict):
+        for ax in value:
             if isinstance(ax, bool) or not isinstance(ax, Integral) or not 0 <= ax < keys:
                 raise ValueError(
-                    f"depth{which} is keyed by axis: got key {ax!r} for arrays of at most "
+                    f"{name}{which} is keyed by axis: got key {ax!r} for arrays of at most "
                     f"{keys} dimension(s)"
                 )
-            _check_one_depth(d, f"{which}[{ax}]")
-    elif isinstance(depth, tuple):
-        if len(depth) != ndim:
+        return [(v, f"{which}[{ax}]") for ax, v in value.items()]
+    if isinstance(value, tuple):
+        if ndim is not None and len(value) != ndim:
             raise ValueError(
-                f"depth{which} given as a tuple must have one entry per axis ({ndim}), got "
-                f"{depth!r}"
+                f"{name}{which} given as a tuple must have one entry per axis ({ndim}), got "
+                f"{value!r}"
             )
-        for ax, d in enumerate(depth):
-            _check_one_depth(d, f"{which}[{ax}]")
-    else:
-        _check_one_depth(depth, which)
+        return [(v, f"{which}[{ax}]") for ax, v in enumerate(value)]
+    return [(value, which)]
+
+
+def check_depth(depth: Any, ndim: int, which: str, keys: int) -> None:
+    """One array's ``depth``: an integer, a tuple per axis, or a dict by axis."""
+    if depth is not None:
+        for d, where in _per_axis(depth, "depth", which, keys, ndim):
+            _check_one_depth(d, where)
 
 
 def _check_one_boundary(value: Any, where: str) -> None:
@@ -107,21 +114,9 @@ def _check_one_boundary(value: Any, where: str) -> None:
 
 def check_boundary(boundary: Any, ndim: int, which: str, keys: int) -> None:
     """One array's ``boundary``: a name or constant, a tuple per axis, or a dict by axis."""
-    if boundary is None:
-        return
-    if isinstance(boundary, dict):
-        for ax, b in boundary.items():
-            if isinstance(ax, bool) or not isinstance(ax, Integral) or not 0 <= ax < keys:
-                raise ValueError(
-                    f"boundary{which} is keyed by axis: got key {ax!r} for arrays of at most "
-                    f"{keys} dimension(s)"
-                )
-            _check_one_boundary(b, f"{which}[{ax}]")
-    elif isinstance(boundary, tuple):
-        for ax, b in enumerate(boundary):
-            _check_one_boundary(b, f"{which}[{ax}]")
-    else:
-        _check_one_boundary(boundary, which)
+    if boundary is not None:
+        for b, where in _per_axis(boundary, "boundary", which, keys):
+            _check_one_boundary(b, where)
 
 
 def _rechunked(x: da.Array, depth: dict, allow_rechunk: bool) -> da.Array:
