@@ -34,11 +34,12 @@ __all__ = [
 AUTO_IN_FLIGHT = 4
 #: ...and never cuts below this size (smaller sub-chunks cost more host work per byte).
 AUTO_MIN_BYTES = 64 << 20
-#: The sub-chunk size of a partition whose inputs need no staging (pinned already), but
-#: a batch of at most ``AUTO_MIN_BYTES``: a cut then costs a copy and a kernel launch
-#: more, not a staging copy, and finer cuts fill and drain the copy engines sooner (H100,
-#: 4 GiB pinned, 256 MiB partitions, 4 threads: 0.918 of the both-ways bound at 32 MiB,
-#: 0.896 at 64 MiB, 0.841 whole: benchmarks/results/pinned-sub-chunk-sweep.json).
+#: The largest sub-chunk of a partition whose inputs need no staging (pinned already),
+#: except a batch of at most ``AUTO_MIN_BYTES`` (left whole): a cut then costs a copy and
+#: a kernel launch more, not a staging copy, and finer cuts fill and drain the copy
+#: engines sooner (H100, 4 GiB pinned, 256 MiB partitions, 4 threads: 0.918 of the
+#: both-ways bound at 32 MiB, 0.896 at 64 MiB, 0.841 whole:
+#: benchmarks/results/pinned-sub-chunk-sweep.json).
 AUTO_UNSTAGED_BYTES = 32 << 20
 
 
