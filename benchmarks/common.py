@@ -806,11 +806,15 @@ def persist_in_turn(
 ) -> tuple[dict[str, list[float]], dict[str, bool]]:
     """Each of ``arrays`` persisted once in turn, ``repeat`` times over: the seconds of each
     one's runs, and whether ``check`` held for every run's chunks. A drift of the machine's
-    speed weighs on each alike, and the i-th runs make a pair (:func:`pair_ratios`)."""
+    speed weighs on each alike, and the i-th runs make a pair (:func:`pair_ratios`). Every
+    other round runs them in the reverse order (A B, B A, A B, ...), so that neither is
+    always the one that follows the other: a place in the turn that costs (the memory the
+    run before let go, a pool it left) weighs on both alike too."""
     seconds: dict[str, list[float]] = {name: [] for name in arrays}
     ok = dict.fromkeys(arrays, True)
-    for _ in range(repeat):
-        for name, arr in arrays.items():
+    for i in range(repeat):
+        turn = list(arrays.items())
+        for name, arr in turn[::-1] if i % 2 else turn:
             s, got = persist_chunks(arr, **persist_kw)
             seconds[name].append(s)
             ok[name] = ok[name] and check(got)

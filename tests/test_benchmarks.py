@@ -369,7 +369,8 @@ def test_the_harness_examples_run_as_written():
 
 
 def test_runs_in_turn_make_pairs(monkeypatch):
-    """``persist_in_turn`` runs each array once per round, in order, and checks every run."""
+    """``persist_in_turn`` runs each array once per round, in order and then in the reverse
+    order by turns, and checks every run."""
     order: list[str] = []
     times = iter([1.0, 2.0, 1.0, 1.5, 3.0, 2.0])
 
@@ -379,12 +380,12 @@ def test_runs_in_turn_make_pairs(monkeypatch):
 
     monkeypatch.setattr(common, "persist_chunks", run)
     seconds, ok = common.persist_in_turn({"a": "A", "b": "B"}, 3, lambda got: got != ["B"])
-    assert order == ["A", "B"] * 3
-    assert seconds == {"a": [1.0, 1.0, 3.0], "b": [2.0, 1.5, 2.0]}
+    assert order == ["A", "B", "B", "A", "A", "B"]
+    assert seconds == {"a": [1.0, 1.5, 3.0], "b": [2.0, 1.0, 2.0]}
     assert ok == {"a": True, "b": False}
     ratios = common.pair_ratios(seconds["a"], seconds["b"])
-    assert ratios["pairs"] == [2.0, 1.5, 2.0 / 3.0] and ratios["median"] == 1.5
-    assert ratios["best"] == 1.5
+    assert ratios["pairs"] == [2.0, 1.0 / 1.5, 2.0 / 3.0] and ratios["median"] == 2.0 / 3.0
+    assert ratios["best"] == 1.0
 
 
 @pytest.mark.timeout(120)
