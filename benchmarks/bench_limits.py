@@ -32,7 +32,8 @@ and the rows they write:
   its defaults, input made on the workers in ``--partition`` chunks (the demo's own at
   4 GiB: a sixteenth), the demo's kernel with ``split_axis=0``, each best of ``--repeat``,
   against the same partitions on the default path in this process (Dask's threaded
-  scheduler); ``over_default_split`` beside it when ``default`` ran too;
+  scheduler), the two run in turn (each round's ratio in ``ratio_pairs``);
+  ``over_default_split`` beside it when ``default`` ran too;
 - ``small`` (rows ``small_<partition>_<out>``): as ``ci/gpu.sh small`` does: the balanced
   kernel on pinned input in each ``--small`` partition size, every setting at its default
   (``batch="auto"``), ``out="host"`` and ``out="pinned"``, ``--small-threads`` Dask
@@ -101,7 +102,7 @@ from common import (  # noqa: E402
     copy_only_seconds,
     counted,
     demo_input,
-    demo_threaded,
+    demo_reference,
     device_name,
     engine_busy,
     equals_plain_dask,
@@ -321,14 +322,21 @@ def case_gaussian3d(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def case_demo(args: argparse.Namespace) -> dict[str, dict]:
-    """The demo's LocalGPUCluster run against the same partitions on the threaded scheduler."""
+    """The demo's LocalGPUCluster run against the same partitions on the threaded scheduler,
+    their runs in turn."""
     from distributed import Client, wait
 
     from dask_overlap.demo import naive_scale_shift, scale_shift, wait_released
 
     rows, rows_per_part = rows_of(args.size), rows_of(args.partition)
     nbytes = rows * COLS * 4
-    threaded_gbps, threaded_ok = demo_threaded(args.backend, args.repeat, rows, rows_per_part)
+    # The reference is made and warmed up in this process before the cluster starts, and
+    # its runs then alternate with the cluster's (A B, B A, ...): the machine's speed
+    # drifts within a call (demo_gap.py, H100: the reference ran 13.9 GB/s at the start of
+    # a call and 16.1 at its end), and a reference timed only before the cluster put that
+    # drift into the row's ratio.
+    reference, ref_x = demo_reference(args.backend, rows, rows_per_part)
+    gpu = dask_overlap.get_runtime(args.backend).name == "cuda"
     with (
         dask_overlap.LocalGPUCluster(
             allow_cpu=True, dashboard_address=":0", threads_per_worker=args.demo_threads
@@ -355,25 +363,38 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
         keys, done = keys_of(done), None
         wait_released(client, keys)
         wait_released(client, keys_of(persist_timed(run_of(x, 0)[:warm], client)[1]))
-        seconds = float("inf")
+        seconds: dict[str, list[float]] = {"demo": [], "reference": []}
+        done = ref_done = None  # the last run of each is checked
         for i in range(1, args.repeat + 1):
-            s, done = persist_timed(run_of(x, i), client)
-            seconds = min(seconds, s)
-            if i < args.repeat:  # the last run's result is checked
-                keys, done = keys_of(done), None
-                wait_released(client, keys)
+            for name in ("demo", "reference") if i % 2 else ("reference", "demo"):
+                if name == "reference":
+                    ref_done = None  # let go before the next run, as the cluster's are
+                    s, ref_done = persist_timed(reference, scheduler="threads")
+                else:
+                    if done is not None:
+                        keys, done = keys_of(done), None
+                        wait_released(client, keys)
+                    s, done = persist_timed(run_of(x, i), client)
+                seconds[name].append(s)
         backends = {s["backend"] for s in client.run(dask_overlap.runtime_stats).values()}
         correct = equals_plain_dask(done, x, backends == {"cuda"})
         nthreads = client.nthreads()
         del done, x
+    with dask.config.set(scheduler="threads"):  # the reference's check stays in this process
+        reference_ok = equals_plain_dask(ref_done, ref_x, gpu)
+    del ref_done, reference, ref_x
+    vs = pair_ratios(seconds["demo"], seconds["reference"])
     row = against_reference(
-        nbytes / seconds / GB,
-        threaded_gbps,
-        "the same partitions and kernel on the default path in this process (threaded scheduler)",
+        nbytes / min(seconds["demo"]) / GB,
+        nbytes / min(seconds["reference"]) / GB,
+        "the same partitions and kernel on the default path in this process (threaded "
+        "scheduler), run in turn with the cluster's",
         correct,
-        reference_correct=threaded_ok,
+        reference_correct=reference_ok,
+        ratio_pairs=vs["pairs"],
+        ratio_median=vs["median"],
         naive_gbps=nbytes / naive_s / GB,
-        speedup_vs_naive=naive_s / seconds,
+        speedup_vs_naive=naive_s / min(seconds["demo"]),
         workers=len(nthreads),
         threads_per_worker=max(nthreads.values()),
         worker_backends=sorted(backends),

@@ -753,15 +753,22 @@ def equals_plain_dask(done: da.Array, x: da.Array, gpu: bool) -> bool:
     return bool(da.allclose(done, reference, rtol=1e-6 if gpu else 0, atol=0).compute())
 
 
-def demo_threaded(backend: str, repeat: int, rows: int, rows_per_part: int) -> tuple[float, bool]:
+def demo_reference(backend: str, rows: int, rows_per_part: int) -> tuple[da.Array, da.Array]:
     """The demo's partitions on the default path in this process (threaded scheduler, no
-    ``overlap.*`` setting), the best of ``repeat`` runs: GB/s and the check."""
+    ``overlap.*`` setting), warmed up: the array to persist, and its input (persisted)."""
     from dask_overlap.demo import scale_shift
 
-    rt = dask_overlap.get_runtime(backend)
+    dask_overlap.get_runtime(backend)
     (x,) = dask.persist(demo_input(rows, rows_per_part), scheduler="threads")
     arr = dask_overlap.map_blocks(scale_shift, x, split_axis=0, **DEMO_KERNEL)
     warm_up(arr, scheduler="threads")
+    return arr, x
+
+
+def demo_threaded(backend: str, repeat: int, rows: int, rows_per_part: int) -> tuple[float, bool]:
+    """:func:`demo_reference`'s best of ``repeat`` runs: GB/s and the check."""
+    rt = dask_overlap.get_runtime(backend)
+    arr, x = demo_reference(backend, rows, rows_per_part)
     seconds, done = float("inf"), None
     for _ in range(repeat):
         done = None  # the last run's result goes before the next run

@@ -336,6 +336,7 @@ def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
         assert got["partitions"] == 4 and got["pinned_refused"] == 0, got  # 4 blocks, 1 run
         assert all(v > 0 for v in got["thread_cpu_seconds"].values())
     assert rows["demo"]["worker_backends"] == ["host"] and rows["demo"]["reference_correct"]
+    assert len(rows["demo"]["ratio_pairs"]) == 1  # one round: the reference run in turn
     assert rows["demo"]["over_default_split"] == pytest.approx(
         rows["demo"]["gbps"] / rows["default_split"]["gbps"]
     )
