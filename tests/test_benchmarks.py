@@ -597,3 +597,22 @@ def test_copy_streams_refuses_bad_arguments_before_any_work(argv, words):
     script = BENCHMARKS / "diagnostics" / "copy_streams.py"
     out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
     assert out.returncode == 2 and words in out.stderr
+
+
+@pytest.mark.timeout(180)
+def test_demo_gap_no_trim_starts_its_worker_without_the_nannys_trim(monkeypatch):
+    """``demo_gap.py``'s ``no-trim`` variant: its worker runs without
+    ``MALLOC_TRIM_THRESHOLD_`` (as the threaded reference's process does), though a nanny
+    started before it, in the same process, left the variable in ``os.environ``; the
+    demo's own cluster (``as-is``) gets distributed's 64 KiB."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("DASK_OVERLAP__BACKEND", "host")
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    sys.path.insert(0, str(BENCHMARKS / "diagnostics"))
+    import demo_gap
+
+    rows, rows_per_part = 64 * 1024 // demo_gap.COLS, 16 * 1024 // demo_gap.COLS
+    (as_is,) = demo_gap.run_variant("as-is", rows, rows_per_part, 1)
+    assert as_is["worker_trim"] == ["65536"] and as_is["seconds"] > 0
+    (no_trim,) = demo_gap.run_variant("no-trim", rows, rows_per_part, 1)
+    assert no_trim["worker_trim"] == ["None"] and no_trim["seconds"] > 0

@@ -11,7 +11,13 @@ one thing each (``--variants``):
   holding the GIL);
 - ``threads16``: 16 threads a worker, as many as the threaded scheduler's default;
 - ``frozen``: ``gc.freeze()`` in the worker once the input is made (the library leaves
-  worker processes alone: :func:`dask_overlap.pipeline.runtime.freeze_heap_once`).
+  worker processes alone: :func:`dask_overlap.pipeline.runtime.freeze_heap_once`);
+- ``no-trim``: the worker started without ``MALLOC_TRIM_THRESHOLD_`` (distributed's
+  nanny sets it to 64 KiB in every worker's environment, ``distributed.nanny.pre-spawn-environ``,
+  and in its own process's ``os.environ`` before it spawns one: glibc then returns freed
+  memory to the system at once, and keeps no dynamic mmap threshold, so that memory
+  freed and asked for again is fresh, faulted in page by page. The threaded reference's
+  process runs with glibc's defaults).
 
 Each variant's runs are printed one by one, with the collector's passes in the worker
 during them (``common.GcPauses``), so that a slow run can be told from a slow variant.
@@ -48,7 +54,8 @@ from common import (  # noqa: E402
 import dask_overlap  # noqa: E402
 from dask_overlap.demo import scale_shift  # noqa: E402
 
-VARIANTS = ("as-is", "no-profiler", "threads16", "frozen")
+VARIANTS = ("as-is", "no-profiler", "threads16", "frozen", "no-trim")
+TRIM = "MALLOC_TRIM_THRESHOLD_"  # what distributed's nanny sets in each worker
 
 
 def _gc_watch_start() -> None:
@@ -66,9 +73,17 @@ def _gc_watch_stop() -> dict:
 
 
 def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> list[dict]:
-    config = {"distributed.worker.profile.enabled": variant != "no-profiler"}
+    config: dict = {"distributed.worker.profile.enabled": variant != "no-profiler"}
+    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+    if variant == "no-trim":
+        environ.pop(TRIM, None)
+        config["distributed.nanny.pre-spawn-environ"] = environ
     threads = 16 if variant == "threads16" else None  # None: the demo's default
     runs = []
+    # A nanny leaves its pre-spawn environment in this process's os.environ, which the
+    # next worker started from here inherits: each variant starts from the environment
+    # it names.
+    os.environ.pop(TRIM, None)
     with (
         dask.config.set(config),
         dask_overlap.LocalGPUCluster(
@@ -78,6 +93,7 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
     ):
         x = client.persist(demo_input(rows, rows_per_part))
         wait(x)
+        trims = set(client.run(os.environ.get, TRIM).values())  # what the workers got
         if variant == "frozen":
             client.run(gc.freeze)
         warm = 2 * rows_per_part
@@ -94,7 +110,14 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
             seconds, done = persist_timed(run_of(i + 1), client)
             gcs = list(client.run(_gc_watch_stop).values())[0]
             del done
-            runs.append({"seconds": seconds, "gc": gcs, "client_cpu_s": time.process_time() - t0})
+            runs.append(
+                {
+                    "seconds": seconds,
+                    "gc": gcs,
+                    "client_cpu_s": time.process_time() - t0,
+                    "worker_trim": sorted(map(str, trims)),
+                }
+            )
         if variant == "frozen":
             client.run(gc.unfreeze)
     return runs
@@ -123,7 +146,10 @@ def main() -> None:
             f" | each: {' '.join(f'{g:.2f}' for g in each)}"
         )
         for r, g in zip(runs, each, strict=True):
-            print(f"    {g:6.2f} GB/s  worker gc passes {r['gc']['passes']} {r['gc']['ms']:.1f} ms")
+            print(
+                f"    {g:6.2f} GB/s  worker gc passes {r['gc']['passes']} {r['gc']['ms']:.1f} ms"
+                f"  {TRIM} {','.join(r['worker_trim'])}"
+            )
     threaded_after = demo_threaded(args.backend, repeat, rows, rows_per_part)[0]
     print(f"threaded scheduler again: {threaded_after:.2f} GB/s")
 
