@@ -32,8 +32,9 @@ and the rows they write:
   its defaults, input made on the workers in ``--partition`` chunks (the demo's own at
   4 GiB: a sixteenth), the demo's kernel with ``split_axis=0``, each best of ``--repeat``,
   against the same partitions on the default path in this process (Dask's threaded
-  scheduler), the two run in turn (each round's ratio in ``ratio_pairs``);
-  ``over_default_split`` beside it when ``default`` ran too;
+  scheduler), the two run in turn (each round's ratio in ``ratio_pairs``), with what each
+  scheduler costs a call on the same blocks with no work (``cluster_noop_seconds``,
+  ``threaded_noop_seconds``); ``over_default_split`` beside it when ``default`` ran too;
 - ``small`` (rows ``small_<partition>_<out>``): as ``ci/gpu.sh small`` does: the balanced
   kernel on pinned input in each ``--small`` partition size, every setting at its default
   (``batch="auto"``), ``out="host"`` and ``out="pinned"``, ``--small-threads`` Dask
@@ -113,6 +114,7 @@ from common import (  # noqa: E402
     make_kernel,
     measure_ceilings,
     naive,
+    noop_seconds,
     pair_ratios,
     parser,
     persist_chunks,
@@ -379,7 +381,13 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
         backends = {s["backend"] for s in client.run(dask_overlap.runtime_stats).values()}
         correct = equals_plain_dask(done, x, backends == {"cuda"})
         nthreads = client.nthreads()
-        del done, x
+        del done
+        # What each scheduler costs a call on these blocks with no work in the tasks (the
+        # graph to the scheduler, the tasks to the worker, the results back): a floor
+        # under each side's seconds that is not the library's.
+        cluster_noop = noop_seconds(x, args.repeat, "cluster", client)
+        del x
+    threaded_noop = noop_seconds(ref_x, args.repeat, "threads", scheduler="threads")
     with dask.config.set(scheduler="threads"):  # the reference's check stays in this process
         reference_ok = equals_plain_dask(ref_done, ref_x, gpu)
     del ref_done, reference, ref_x
@@ -393,6 +401,10 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
         reference_correct=reference_ok,
         ratio_pairs=vs["pairs"],
         ratio_median=vs["median"],
+        seconds=min(seconds["demo"]),
+        reference_seconds=min(seconds["reference"]),
+        cluster_noop_seconds=cluster_noop,
+        threaded_noop_seconds=threaded_noop,
         naive_gbps=nbytes / naive_s / GB,
         speedup_vs_naive=naive_s / min(seconds["demo"]),
         workers=len(nthreads),

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import dask
 import dask.array as da
 import numpy as np
+import toolz
 from dask.base import tokenize
 from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph
@@ -742,6 +743,22 @@ def demo_input(rows: int, rows_per_part: int) -> da.Array:
     return da.random.default_rng(42).random(
         (rows, COLS), chunks=(rows_per_part, COLS), dtype=np.float32
     )
+
+
+def noop_seconds(
+    x: da.Array, repeat: int, tag: str, client: Any = None, **persist_kw: Any
+) -> float:
+    """The best of ``repeat`` persists (on ``client``, else ``persist_kw``'s scheduler) of
+    a task a block of ``x`` that returns its block: what the scheduler costs a call on
+    those blocks, with no work in the tasks. Each run has keys of its own (``tag``), so
+    that none finds its results in memory already."""
+    best = float("inf")
+    for i in range(repeat):
+        same = da.map_blocks(toolz.identity, x, dtype=x.dtype, name=f"noop-{tag}-{i}")
+        seconds, done = persist_timed(same, client, **persist_kw)
+        best = min(best, seconds)
+        del done
+    return best
 
 
 def equals_plain_dask(done: da.Array, x: da.Array, gpu: bool) -> bool:
