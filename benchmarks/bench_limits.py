@@ -129,6 +129,7 @@ from common import (  # noqa: E402
     save,
     thread_cpu,
     thread_cpu_since,
+    turns,
     warm_then_time,
     warm_up,
 )
@@ -367,17 +368,16 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
         wait_released(client, keys_of(persist_timed(run_of(x, 0)[:warm], client)[1]))
         seconds: dict[str, list[float]] = {"demo": [], "reference": []}
         done = ref_done = None  # the last run of each is checked
-        for i in range(1, args.repeat + 1):
-            for name in ("demo", "reference") if i % 2 else ("reference", "demo"):
-                if name == "reference":
-                    ref_done = None  # let go before the next run, as the cluster's are
-                    s, ref_done = persist_timed(reference, scheduler="threads")
-                else:
-                    if done is not None:
-                        keys, done = keys_of(done), None
-                        wait_released(client, keys)
-                    s, done = persist_timed(run_of(x, i), client)
-                seconds[name].append(s)
+        for i, name in turns(seconds, args.repeat):
+            if name == "reference":
+                ref_done = None  # let go before the next run, as the cluster's are
+                s, ref_done = persist_timed(reference, scheduler="threads")
+            else:
+                if done is not None:
+                    keys, done = keys_of(done), None
+                    wait_released(client, keys)
+                s, done = persist_timed(run_of(x, i + 1), client)
+            seconds[name].append(s)
         backends = {s["backend"] for s in client.run(dask_overlap.runtime_stats).values()}
         correct = equals_plain_dask(done, x, backends == {"cuda"})
         nthreads = client.nthreads()

@@ -822,6 +822,19 @@ def best_persist(arr: da.Array, repeat: int, **persist_kw: Any) -> tuple[float, 
     return best_of(lambda: persist_chunks(arr, **persist_kw), repeat)
 
 
+def turns(names: Iterable[str], repeat: int) -> list[tuple[int, str]]:
+    """(round, name) for ``repeat`` rounds of ``names`` in turn, every other round in the
+    reverse order, so that neither is always the one that follows the other: a place in
+    the turn that costs (the memory the run before let go, a pool it left) weighs on each
+    alike, as a drift of the machine's speed does.
+
+    >>> turns(["a", "b"], 3)
+    [(0, 'a'), (0, 'b'), (1, 'b'), (1, 'a'), (2, 'a'), (2, 'b')]
+    """
+    order = list(names)
+    return [(i, name) for i in range(repeat) for name in (order[::-1] if i % 2 else order)]
+
+
 def persist_in_turn(
     arrays: dict[str, da.Array],
     repeat: int,
@@ -830,19 +843,15 @@ def persist_in_turn(
 ) -> tuple[dict[str, list[float]], dict[str, bool]]:
     """Each of ``arrays`` persisted once in turn, ``repeat`` times over: the seconds of each
     one's runs, and whether ``check`` held for every run's chunks. A drift of the machine's
-    speed weighs on each alike, and the i-th runs make a pair (:func:`pair_ratios`). Every
-    other round runs them in the reverse order (A B, B A, A B, ...), so that neither is
-    always the one that follows the other: a place in the turn that costs (the memory the
-    run before let go, a pool it left) weighs on both alike too."""
+    speed weighs on each alike, and the i-th runs make a pair (:func:`pair_ratios`); every
+    other round runs them in the reverse order (:func:`turns`)."""
     seconds: dict[str, list[float]] = {name: [] for name in arrays}
     ok = dict.fromkeys(arrays, True)
-    for i in range(repeat):
-        turn = list(arrays.items())
-        for name, arr in turn[::-1] if i % 2 else turn:
-            s, got = persist_chunks(arr, **persist_kw)
-            seconds[name].append(s)
-            ok[name] = ok[name] and check(got)
-            del got  # the run's chunks go before the next run
+    for _, name in turns(arrays, repeat):
+        s, got = persist_chunks(arrays[name], **persist_kw)
+        seconds[name].append(s)
+        ok[name] = ok[name] and check(got)
+        del got  # the run's chunks go before the next run
     return seconds, ok
 
 

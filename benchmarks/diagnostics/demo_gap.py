@@ -74,8 +74,8 @@ def _gc_watch_stop() -> dict:
 
 def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> list[dict]:
     config: dict = {"distributed.worker.profile.enabled": variant != "no-profiler"}
-    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
     if variant == "no-trim":
+        environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
         environ.pop(TRIM, None)
         config["distributed.nanny.pre-spawn-environ"] = environ
     threads = 16 if variant == "threads16" else None  # None: the demo's default
