@@ -48,11 +48,12 @@ from common import (  # noqa: E402
     comma_list,
     demo_input,
     demo_threaded,
+    keys_of,
     persist_timed,
 )
 
 import dask_overlap  # noqa: E402
-from dask_overlap.demo import scale_shift  # noqa: E402
+from dask_overlap.demo import scale_shift, wait_released  # noqa: E402
 
 VARIANTS = ("as-is", "no-profiler", "threads16", "frozen", "no-trim")
 TRIM = "MALLOC_TRIM_THRESHOLD_"  # what distributed's nanny sets in each worker
@@ -103,13 +104,18 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
                 scale_shift, x, split_axis=0, token=f"gap-{variant}-{i}", **DEMO_KERNEL
             )
 
-        wait(client.persist(run_of(0)[:warm]))
+        wait_released(client, keys_of(persist_timed(run_of(0)[:warm], client)[1]))
         for i in range(repeat):
             client.run(_gc_watch_start)
             t0 = time.process_time()
             seconds, done = persist_timed(run_of(i + 1), client)
             gcs = list(client.run(_gc_watch_stop).values())[0]
+            keys = keys_of(done)
             del done
+            # As the demo and its row do: the next run starts once the worker has let this
+            # one's results go (as one process frees them at once), not while the
+            # scheduler is still telling it to.
+            wait_released(client, keys)
             runs.append(
                 {
                     "seconds": seconds,
