@@ -73,6 +73,13 @@ def _gc_watch_stop() -> dict:
     return pauses.summary()
 
 
+def _result_counts(client: Client) -> dict[str, int]:
+    """The workers' result pools' counts so far (summed): results made over memory used
+    before, and over fresh memory."""
+    stats = client.run(dask_overlap.runtime_stats).values()
+    return {k: sum(int(s.get(k) or 0) for s in stats) for k in ("results_reused", "results_fresh")}
+
+
 def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> list[dict]:
     config: dict = {"distributed.worker.profile.enabled": variant != "no-profiler"}
     if variant == "no-trim":
@@ -107,9 +114,11 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
         wait_released(client, keys_of(persist_timed(run_of(0)[:warm], client)[1]))
         for i in range(repeat):
             client.run(_gc_watch_start)
+            before = _result_counts(client)
             t0 = time.process_time()
             seconds, done = persist_timed(run_of(i + 1), client)
             gcs = list(client.run(_gc_watch_stop).values())[0]
+            after = _result_counts(client)
             keys = keys_of(done)
             del done
             # As the demo and its row do: the next run starts once the worker has let this
@@ -122,6 +131,8 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
                     "gc": gcs,
                     "client_cpu_s": time.process_time() - t0,
                     "worker_trim": sorted(map(str, trims)),
+                    # results made over memory used before / fresh, in this run
+                    **{k: after[k] - before[k] for k in after},
                 }
             )
         if variant == "frozen":
@@ -155,6 +166,7 @@ def main() -> None:
             print(
                 f"    {g:6.2f} GB/s  worker gc passes {r['gc']['passes']} {r['gc']['ms']:.1f} ms"
                 f"  {TRIM} {','.join(r['worker_trim'])}"
+                f"  results reused {r['results_reused']} fresh {r['results_fresh']}"
             )
     threaded_after = demo_threaded(args.backend, repeat, rows, rows_per_part)[0]
     print(f"threaded scheduler again: {threaded_after:.2f} GB/s")
