@@ -20,7 +20,10 @@ one thing each (``--variants``):
   process runs with glibc's defaults).
 
 Each variant's runs are printed one by one, with the collector's passes in the worker
-during them (``common.GcPauses``), so that a slow run can be told from a slow variant.
+during them (``common.GcPauses``) and how many results the worker's result pool made over
+memory used before and over fresh memory, so that a slow run can be told from a slow
+variant. As in the demo and its ``limits`` row, each run starts once the worker has let
+the run before go (:func:`dask_overlap.demo.wait_released`), as one process frees it at once.
 Figures are GB/s of input; ratios are to the best threaded run of this call.
 
 Run: ``python3 benchmarks/diagnostics/demo_gap.py --size 4GiB --repeat 5``.
