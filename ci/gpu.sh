@@ -7,10 +7,10 @@
 # a run, copy the current files into benchmarks/results/ and append $OUT/history.jsonl to
 # benchmarks/results/history.jsonl (pytest's log stays out of git).
 #
-#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits|halo|reuse|pool|streams]...
+#   bash ci/gpu.sh [all|default|small|floor|tests|bench|timeline|cluster|cross|demo|dashboard|trap|peak|pipeline|limits|halo|reuse|pool|streams|gap]...
 #   (peak: PEAK_ARGS, PEAK_LIMIT; pipeline: PIPELINE_ARGS, PIPELINE_LIMIT; limits: LIMITS_ARGS,
 #   LIMITS_LIMIT; halo: HALO_ARGS, HALO_LIMIT; reuse: REUSE_ARGS, REUSE_LIMIT; pool: POOL_ARGS,
-#   POOL_LIMIT; streams: STREAMS_ARGS, STREAMS_LIMIT)
+#   POOL_LIMIT; streams: STREAMS_ARGS, STREAMS_LIMIT; gap: GAP_ARGS, GAP_LIMIT)
 #
 # Benchmark knobs (environment): SIZE, THREADS, SUB_CHUNKS, IN_FLIGHT, REPEAT, NAIVE_THREADS,
 # BENCH_CASES, STAGING_THREADS, CASE_LIMIT; cluster: CLUSTER_WORKERS, CLUSTER_THREADS,
@@ -159,6 +159,16 @@ run_pool() {
         --record "$OUT" ${POOL_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -n 40 || status=1
 }
 
+run_gap() {
+    # Issue 31's demo row: the demo's cluster against the same partitions on the threaded
+    # scheduler, with one thing changed at a time (demo_gap.py --variants; its log only).
+    log "gap: demo_gap.py ${GAP_ARGS:-}"
+    timeout "${GAP_LIMIT:-180}" python3 benchmarks/diagnostics/demo_gap.py \
+        ${GAP_ARGS:---variants as-is,no-trim,as-is,no-trim --repeat 4} >"$OUT/demo-gap.log" 2>&1 \
+        || status=1
+    grep -v "Warning\|warn" "$OUT/demo-gap.log" | tail -n 40
+}
+
 run_streams() {
     # Issue 31's pinned path: the same copies and kernel in plain CuPy (each sub-chunk on a
     # stream of its own as the library, the copies on one stream each way, or a bounded
@@ -277,9 +287,10 @@ for step in "${steps[@]}"; do
         reuse) run_reuse ;;
         pool) run_pool ;;
         streams) run_streams ;;
+        gap) run_gap ;;
         small) run_small ;;
         floor) run_floor ;;
-        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits|halo|reuse|pool|streams]..."; exit 2 ;;
+        *) echo "usage: $0 [all|default|tests|bench|timeline|cluster|cross|demo|dashboard|trap|small|floor|peak|pipeline|limits|halo|reuse|pool|streams|gap]..."; exit 2 ;;
     esac
 done
 log "done, status $status"
