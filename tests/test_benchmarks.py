@@ -372,6 +372,19 @@ def test_the_harness_examples_run_as_written():
     assert result.attempted >= 2 and result.failed == 0  # same_chunks, pair_ratios, ...
 
 
+def test_demo_gap_phases_example_runs_as_written():
+    """``demo_gap.phases`` (where a cluster run's seconds went) gives its example's
+    figures: a thread's idle time between its tasks, the threads' busy share."""
+    import doctest
+
+    sys.path.insert(0, str(BENCHMARKS / "diagnostics"))
+    import demo_gap
+
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testmod(demo_gap, optionflags=flags, report=True)
+    assert result.attempted >= 2 and result.failed == 0
+
+
 def test_runs_in_turn_make_pairs(monkeypatch):
     """``persist_in_turn`` runs each array once per round, in order and then in the reverse
     order by turns, and checks every run."""
@@ -619,3 +632,8 @@ def test_demo_gap_no_trim_starts_its_worker_without_the_nannys_trim(monkeypatch)
     assert as_is["worker_trim"] == ["65536"] and as_is["seconds"] > 0
     (no_trim,) = demo_gap.run_variant("no-trim", rows, rows_per_part, 1)
     assert no_trim["worker_trim"] == ["None"] and no_trim["seconds"] > 0
+    for run in (as_is, no_trim):
+        # every task's compute found in the worker's records, on one thread at a time
+        p = run["phases"]
+        assert run["computes"] == rows // rows_per_part
+        assert p["span_ms"] > 0 and 0 < p["busy"] <= 1 and p["hop_max_ms"] >= p["hop_mean_ms"] >= 0

@@ -21,8 +21,11 @@ one thing each (``--variants``):
 
 Each variant's runs are printed one by one, with the collector's passes in the worker
 during them (``common.GcPauses``) and how many results the worker's result pool made over
-memory used before and over fresh memory, so that a slow run can be told from a slow
-variant. As in the demo and its ``limits`` row, each run starts once the worker has let
+memory used before and over fresh memory, and where the run's seconds went by the
+worker's own records (:func:`phases`: until its first task started, its tasks, a
+thread's idle time between two of them, and after the last until the client knew), so
+that a slow run can be told from a slow variant, and the scheduler's round trips from
+the tasks' own time. As in the demo and its ``limits`` row, each run starts once the worker has let
 the run before go (:func:`dask_overlap.demo.wait_released`), as one process frees it at once.
 Figures are GB/s of input; ratios are to the best threaded run of this call.
 
@@ -36,6 +39,7 @@ import gc
 import os
 import sys
 import time
+from typing import Any
 
 import dask
 import dask.array as da
@@ -74,6 +78,55 @@ def _gc_watch_stop() -> dict:
     pauses = callback.__self__
     pauses.__exit__(None, None, None)
     return pauses.summary()
+
+
+def _computes(keys: list, dask_worker: Any = None) -> list[tuple[float, float, int]]:
+    """(On the worker) each of ``keys``' compute: its start and stop on this machine's
+    ``time.time()`` and the thread that ran it. (The worker records them on the
+    scheduler's clock, as it estimates it: its ``scheduler_delay`` is taken off.)"""
+    out, delay = [], dask_worker.scheduler_delay
+    for key in keys:
+        ts = dask_worker.state.tasks.get(key)
+        for ss in ts.startstops if ts is not None else ():
+            if ss["action"] == "compute":
+                thread = dask_worker.threads.get(key, 0)
+                out.append((ss["start"] - delay, ss["stop"] - delay, thread))
+    return out
+
+
+def phases(submitted: float, done: float, computes: list[tuple[float, float, int]]) -> dict:
+    """Where a cluster run's seconds went, from ``submitted`` (the client's ``persist``)
+    to ``done`` (its ``wait`` returned) and the worker's ``computes`` (start, stop,
+    thread), all on one clock: ``lead`` until the first task started, ``span`` from then
+    until the last stopped, ``tail`` from then until the client knew; ``hop_mean`` and
+    ``hop_max``, a thread's idle time between one of its tasks and its next; ``busy``,
+    the threads' compute time over their span. Milliseconds, but ``busy``.
+
+    Examples
+    --------
+    >>> p = phases(0.0, 1.0, [(0.1, 0.5, 1), (0.52, 0.9, 1), (0.1, 0.8, 2)])
+    >>> {k: round(v, 3) for k, v in p.items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'lead_ms': 100.0, 'span_ms': 800.0, 'tail_ms': 100.0, 'hop_mean_ms': 20.0,
+     'hop_max_ms': 20.0, 'busy': 0.925}
+    """
+    first, last = min(c[0] for c in computes), max(c[1] for c in computes)
+    by_thread: dict[int, list[tuple[float, float]]] = {}
+    for start, stop, thread in computes:
+        by_thread.setdefault(thread, []).append((start, stop))
+    hops = [
+        b[0] - a[1]
+        for runs in by_thread.values()
+        for a, b in zip(sorted(runs), sorted(runs)[1:], strict=False)
+    ]
+    work = sum(stop - start for start, stop, _ in computes)
+    return {
+        "lead_ms": 1e3 * (first - submitted),
+        "span_ms": 1e3 * (last - first),
+        "tail_ms": 1e3 * (done - last),
+        "hop_mean_ms": 1e3 * sum(hops) / len(hops) if hops else 0.0,
+        "hop_max_ms": 1e3 * max(hops, default=0.0),
+        "busy": work / (len(by_thread) * (last - first)),
+    }
 
 
 def _result_counts(client: Client) -> dict[str, int]:
@@ -118,11 +171,13 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
         for i in range(repeat):
             client.run(_gc_watch_start)
             before = _result_counts(client)
-            t0 = time.process_time()
+            t0, submitted = time.process_time(), time.time()
             seconds, done = persist_timed(run_of(i + 1), client)
+            finished = time.time()
             gcs = list(client.run(_gc_watch_stop).values())[0]
             after = _result_counts(client)
             keys = keys_of(done)
+            computes = [c for cs in client.run(_computes, keys).values() for c in cs]
             del done
             # As the demo and its row do: the next run starts once the worker has let this
             # one's results go (as one process frees them at once), not while the
@@ -136,6 +191,8 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
                     "worker_trim": sorted(map(str, trims)),
                     # results made over memory used before / fresh, in this run
                     **{k: after[k] - before[k] for k in after},
+                    "computes": len(computes),
+                    "phases": phases(submitted, finished, computes),
                 }
             )
         if variant == "frozen":
@@ -170,6 +227,13 @@ def main() -> None:
                 f"    {g:6.2f} GB/s  worker gc passes {r['gc']['passes']} {r['gc']['ms']:.1f} ms"
                 f"  {TRIM} {','.join(r['worker_trim'])}"
                 f"  results reused {r['results_reused']} fresh {r['results_fresh']}"
+            )
+            print(
+                "           "
+                + "  ".join(
+                    f"{k} {v:.3f}" if k == "busy" else f"{k} {v:.1f}"
+                    for k, v in r["phases"].items()
+                )
             )
     threaded_after = demo_threaded(args.backend, repeat, rows, rows_per_part)[0]
     print(f"threaded scheduler again: {threaded_after:.2f} GB/s")
