@@ -25,8 +25,9 @@ memory used before and over fresh memory, and where the run's seconds went by th
 worker's own records (:func:`phases`: until its first task started, its tasks, a
 thread's idle time between two of them, and after the last until the client knew), so
 that a slow run can be told from a slow variant, and the scheduler's round trips from
-the tasks' own time. As in the demo and its ``limits`` row, each run starts once the worker has let
-the run before go (:func:`dask_overlap.demo.wait_released`), as one process frees it at once.
+the tasks' own time. As in the demo and its ``limits`` row, each run starts once the
+worker has let the run before go (:func:`dask_overlap.demo.wait_released`), as one
+process frees it at once.
 Figures are GB/s of input; ratios are to the best threaded run of this call.
 
 Run: ``python3 benchmarks/diagnostics/demo_gap.py --size 4GiB --repeat 5``.
@@ -39,6 +40,7 @@ import gc
 import os
 import sys
 import time
+from collections.abc import Hashable
 from typing import Any
 
 import dask
@@ -94,13 +96,14 @@ def _computes(keys: list, dask_worker: Any = None) -> list[tuple[float, float, i
     return out
 
 
-def phases(submitted: float, done: float, computes: list[tuple[float, float, int]]) -> dict:
+def phases(submitted: float, done: float, computes: list[tuple[float, float, Hashable]]) -> dict:
     """Where a cluster run's seconds went, from ``submitted`` (the client's ``persist``)
-    to ``done`` (its ``wait`` returned) and the worker's ``computes`` (start, stop,
-    thread), all on one clock: ``lead`` until the first task started, ``span`` from then
-    until the last stopped, ``tail`` from then until the client knew; ``hop_mean`` and
-    ``hop_max``, a thread's idle time between one of its tasks and its next; ``busy``,
-    the threads' compute time over their span. Milliseconds, but ``busy``.
+    to ``done`` (its ``wait`` returned) and the workers' ``computes`` (start, stop, and
+    the thread: anything that names one), all on one clock: ``lead`` until the first
+    task started, ``span`` from then until the last stopped, ``tail`` from then until the
+    client knew; ``hop_mean`` and ``hop_max``, a thread's idle time between one of its
+    tasks and its next; ``busy``, the compute time of the threads that ran tasks over
+    their span. Milliseconds, but ``busy``.
 
     Examples
     --------
@@ -110,14 +113,13 @@ def phases(submitted: float, done: float, computes: list[tuple[float, float, int
      'hop_max_ms': 20.0, 'busy': 0.925}
     """
     first, last = min(c[0] for c in computes), max(c[1] for c in computes)
-    by_thread: dict[int, list[tuple[float, float]]] = {}
+    by_thread: dict[Hashable, list[tuple[float, float]]] = {}
     for start, stop, thread in computes:
         by_thread.setdefault(thread, []).append((start, stop))
-    hops = [
-        b[0] - a[1]
-        for runs in by_thread.values()
-        for a, b in zip(sorted(runs), sorted(runs)[1:], strict=False)
-    ]
+    hops = []
+    for runs in by_thread.values():
+        runs.sort()
+        hops += [b[0] - a[1] for a, b in zip(runs, runs[1:], strict=False)]
     work = sum(stop - start for start, stop, _ in computes)
     return {
         "lead_ms": 1e3 * (first - submitted),
@@ -177,7 +179,11 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
             gcs = list(client.run(_gc_watch_stop).values())[0]
             after = _result_counts(client)
             keys = keys_of(done)
-            computes = [c for cs in client.run(_computes, keys).values() for c in cs]
+            computes = [  # a thread is named by its worker and its id there
+                (start, stop, (worker, thread))
+                for worker, cs in client.run(_computes, keys).items()
+                for start, stop, thread in cs
+            ]
             del done
             # As the demo and its row do: the next run starts once the worker has let this
             # one's results go (as one process frees them at once), not while the
