@@ -120,6 +120,7 @@ from common import (  # noqa: E402
     persist_chunks,
     persist_in_turn,
     persist_timed,
+    phases,
     pinned_copy,
     pinned_pool_size,
     positive,
@@ -132,6 +133,7 @@ from common import (  # noqa: E402
     turns,
     warm_then_time,
     warm_up,
+    worker_computes,
 )
 
 BENCHMARK = "limits"
@@ -367,6 +369,7 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
         wait_released(client, keys)
         wait_released(client, keys_of(persist_timed(run_of(x, 0)[:warm], client)[1]))
         seconds: dict[str, list[float]] = {"demo": [], "reference": []}
+        cluster_phases = []  # where each cluster run's seconds went (common.phases)
         done = ref_done = None  # the last run of each is checked
         for i, name in turns(seconds, args.repeat):
             if name == "reference":
@@ -376,7 +379,13 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
                 if done is not None:
                     keys, done = keys_of(done), None
                     wait_released(client, keys)
+                submitted = time.time()
                 s, done = persist_timed(run_of(x, i + 1), client)
+                finished = time.time()
+                computes = worker_computes(client, keys_of(done))
+                cluster_phases.append(
+                    {"computes": len(computes), **phases(submitted, finished, computes)}
+                )
             seconds[name].append(s)
         backends = {s["backend"] for s in client.run(dask_overlap.runtime_stats).values()}
         correct = equals_plain_dask(done, x, backends == {"cuda"})
@@ -405,6 +414,9 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
         reference_seconds=min(seconds["reference"]),
         cluster_noop_seconds=cluster_noop,
         threaded_noop_seconds=threaded_noop,
+        # each cluster run, in order: until its first task started, its tasks, a thread's
+        # idle time between two tasks, after its last task until the client knew (ms)
+        cluster_phases=cluster_phases,
         naive_gbps=nbytes / naive_s / GB,
         speedup_vs_naive=naive_s / min(seconds["demo"]),
         workers=len(nthreads),

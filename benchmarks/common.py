@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from datetime import UTC, datetime
@@ -730,6 +730,66 @@ def persist_timed(arr: da.Array, client: Any = None, **persist_kw: Any) -> tuple
         done = client.persist(arr, **persist_kw)
         wait(done)
     return time.perf_counter() - t0, done
+
+
+def _computes_here(keys: list, dask_worker: Any = None) -> list[tuple[float, float, int]]:
+    """(On the worker) each of ``keys``' compute: its start and stop on this machine's
+    ``time.time()`` and the thread that ran it. (The worker records them on the
+    scheduler's clock, as it estimates it: its ``scheduler_delay`` is taken off.)"""
+    out, delay = [], dask_worker.scheduler_delay
+    for key in keys:
+        ts = dask_worker.state.tasks.get(key)
+        for ss in ts.startstops if ts is not None else ():
+            if ss["action"] == "compute":
+                thread = dask_worker.threads.get(key, 0)
+                out.append((ss["start"] - delay, ss["stop"] - delay, thread))
+    return out
+
+
+def phases(submitted: float, done: float, computes: list[tuple[float, float, Hashable]]) -> dict:
+    """Where a cluster run's seconds went, from ``submitted`` (the client's ``persist``)
+    to ``done`` (its ``wait`` returned) and the workers' ``computes`` (start, stop, and
+    the thread: anything that names one), all on one clock: ``lead`` until the first
+    task started, ``span`` from then until the last stopped, ``tail`` from then until the
+    client knew; ``hop_mean`` and ``hop_max``, a thread's idle time between one of its
+    tasks and its next; ``busy``, the compute time of the threads that ran tasks over
+    their span. Milliseconds, but ``busy``.
+
+    Examples
+    --------
+    >>> p = phases(0.0, 1.0, [(0.1, 0.5, 1), (0.52, 0.9, 1), (0.1, 0.8, 2)])
+    >>> {k: round(v, 3) for k, v in p.items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'lead_ms': 100.0, 'span_ms': 800.0, 'tail_ms': 100.0, 'hop_mean_ms': 20.0,
+     'hop_max_ms': 20.0, 'busy': 0.925}
+    """
+    first, last = min(c[0] for c in computes), max(c[1] for c in computes)
+    by_thread: dict[Hashable, list[tuple[float, float]]] = {}
+    for start, stop, thread in computes:
+        by_thread.setdefault(thread, []).append((start, stop))
+    hops = []
+    for runs in by_thread.values():
+        runs.sort()
+        hops += [b[0] - a[1] for a, b in zip(runs, runs[1:], strict=False)]
+    work = sum(stop - start for start, stop, _ in computes)
+    return {
+        "lead_ms": 1e3 * (first - submitted),
+        "span_ms": 1e3 * (last - first),
+        "tail_ms": 1e3 * (done - last),
+        "hop_mean_ms": 1e3 * sum(hops) / len(hops) if hops else 0.0,
+        "hop_max_ms": 1e3 * max(hops, default=0.0),
+        "busy": work / (len(by_thread) * (last - first)),
+    }
+
+
+def worker_computes(client: Any, keys: list) -> list[tuple[float, float, Hashable]]:
+    """Each of ``keys``' compute on the workers of ``client`` (start, stop, thread) for
+    :func:`phases`, on this machine's clock, a thread named by its worker and its id
+    there (two workers' thread ids can coincide)."""
+    return [
+        (start, stop, (worker, thread))
+        for worker, cs in client.run(_computes_here, keys).items()
+        for start, stop, thread in cs
+    ]
 
 
 # -- the demo's partitions (bench_limits.py's demo row, diagnostics/demo_gap.py) ----------

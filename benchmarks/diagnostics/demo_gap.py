@@ -22,7 +22,7 @@ one thing each (``--variants``):
 Each variant's runs are printed one by one, with the collector's passes in the worker
 during them (``common.GcPauses``) and how many results the worker's result pool made over
 memory used before and over fresh memory, and where the run's seconds went by the
-worker's own records (:func:`phases`: until its first task started, its tasks, a
+worker's own records (``common.phases``: until its first task started, its tasks, a
 thread's idle time between two of them, and after the last until the client knew), so
 that a slow run can be told from a slow variant, and the scheduler's round trips from
 the tasks' own time. As in the demo and its ``limits`` row, each run starts once the
@@ -40,8 +40,6 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Hashable
-from typing import Any
 
 import dask
 import dask.array as da
@@ -59,6 +57,8 @@ from common import (  # noqa: E402
     demo_threaded,
     keys_of,
     persist_timed,
+    phases,
+    worker_computes,
 )
 
 import dask_overlap  # noqa: E402
@@ -80,55 +80,6 @@ def _gc_watch_stop() -> dict:
     pauses = callback.__self__
     pauses.__exit__(None, None, None)
     return pauses.summary()
-
-
-def _computes(keys: list, dask_worker: Any = None) -> list[tuple[float, float, int]]:
-    """(On the worker) each of ``keys``' compute: its start and stop on this machine's
-    ``time.time()`` and the thread that ran it. (The worker records them on the
-    scheduler's clock, as it estimates it: its ``scheduler_delay`` is taken off.)"""
-    out, delay = [], dask_worker.scheduler_delay
-    for key in keys:
-        ts = dask_worker.state.tasks.get(key)
-        for ss in ts.startstops if ts is not None else ():
-            if ss["action"] == "compute":
-                thread = dask_worker.threads.get(key, 0)
-                out.append((ss["start"] - delay, ss["stop"] - delay, thread))
-    return out
-
-
-def phases(submitted: float, done: float, computes: list[tuple[float, float, Hashable]]) -> dict:
-    """Where a cluster run's seconds went, from ``submitted`` (the client's ``persist``)
-    to ``done`` (its ``wait`` returned) and the workers' ``computes`` (start, stop, and
-    the thread: anything that names one), all on one clock: ``lead`` until the first
-    task started, ``span`` from then until the last stopped, ``tail`` from then until the
-    client knew; ``hop_mean`` and ``hop_max``, a thread's idle time between one of its
-    tasks and its next; ``busy``, the compute time of the threads that ran tasks over
-    their span. Milliseconds, but ``busy``.
-
-    Examples
-    --------
-    >>> p = phases(0.0, 1.0, [(0.1, 0.5, 1), (0.52, 0.9, 1), (0.1, 0.8, 2)])
-    >>> {k: round(v, 3) for k, v in p.items()}  # doctest: +NORMALIZE_WHITESPACE
-    {'lead_ms': 100.0, 'span_ms': 800.0, 'tail_ms': 100.0, 'hop_mean_ms': 20.0,
-     'hop_max_ms': 20.0, 'busy': 0.925}
-    """
-    first, last = min(c[0] for c in computes), max(c[1] for c in computes)
-    by_thread: dict[Hashable, list[tuple[float, float]]] = {}
-    for start, stop, thread in computes:
-        by_thread.setdefault(thread, []).append((start, stop))
-    hops = []
-    for runs in by_thread.values():
-        runs.sort()
-        hops += [b[0] - a[1] for a, b in zip(runs, runs[1:], strict=False)]
-    work = sum(stop - start for start, stop, _ in computes)
-    return {
-        "lead_ms": 1e3 * (first - submitted),
-        "span_ms": 1e3 * (last - first),
-        "tail_ms": 1e3 * (done - last),
-        "hop_mean_ms": 1e3 * sum(hops) / len(hops) if hops else 0.0,
-        "hop_max_ms": 1e3 * max(hops, default=0.0),
-        "busy": work / (len(by_thread) * (last - first)),
-    }
 
 
 def _result_counts(client: Client) -> dict[str, int]:
@@ -179,11 +130,7 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
             gcs = list(client.run(_gc_watch_stop).values())[0]
             after = _result_counts(client)
             keys = keys_of(done)
-            computes = [  # a thread is named by its worker and its id there
-                (start, stop, (worker, thread))
-                for worker, cs in client.run(_computes, keys).items()
-                for start, stop, thread in cs
-            ]
+            computes = worker_computes(client, keys)
             del done
             # As the demo and its row do: the next run starts once the worker has let this
             # one's results go (as one process frees them at once), not while the
