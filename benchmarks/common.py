@@ -761,7 +761,11 @@ def phases(submitted: float, done: float, computes: list[tuple[float, float, Has
     >>> {k: round(v, 3) for k, v in p.items()}  # doctest: +NORMALIZE_WHITESPACE
     {'lead_ms': 100.0, 'span_ms': 800.0, 'tail_ms': 100.0, 'hop_mean_ms': 20.0,
      'hop_max_ms': 20.0, 'busy': 0.925}
+    >>> phases(0.0, 1.0, [])  # no record found: nothing to split (the run is not lost)
+    {}
     """
+    if not computes:
+        return {}
     first, last = min(c[0] for c in computes), max(c[1] for c in computes)
     by_thread: dict[Hashable, list[tuple[float, float]]] = {}
     for start, stop, thread in computes:
