@@ -119,8 +119,8 @@ from common import (  # noqa: E402
     parser,
     persist_chunks,
     persist_in_turn,
+    persist_phased,
     persist_timed,
-    phases,
     pinned_copy,
     pinned_pool_size,
     positive,
@@ -133,7 +133,6 @@ from common import (  # noqa: E402
     turns,
     warm_then_time,
     warm_up,
-    worker_computes,
 )
 
 BENCHMARK = "limits"
@@ -379,13 +378,8 @@ def case_demo(args: argparse.Namespace) -> dict[str, dict]:
                 if done is not None:
                     keys, done = keys_of(done), None
                     wait_released(client, keys)
-                submitted = time.time()
-                s, done = persist_timed(run_of(x, i + 1), client)
-                finished = time.time()
-                computes = worker_computes(client, keys_of(done))
-                cluster_phases.append(
-                    {"computes": len(computes), **phases(submitted, finished, computes)}
-                )
+                s, done, split = persist_phased(run_of(x, i + 1), client)
+                cluster_phases.append(split)
             seconds[name].append(s)
         backends = {s["backend"] for s in client.run(dask_overlap.runtime_stats).values()}
         correct = equals_plain_dask(done, x, backends == {"cuda"})

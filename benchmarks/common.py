@@ -796,6 +796,17 @@ def worker_computes(client: Any, keys: list) -> list[tuple[float, float, Hashabl
     ]
 
 
+def persist_phased(arr: da.Array, client: Any) -> tuple[float, Any, dict]:
+    """:func:`persist_timed` on ``client``, and where the run's seconds went
+    (:func:`phases`, with ``computes``: how many compute records the workers had), read
+    from the workers after the timed run."""
+    submitted = time.time()
+    seconds, done = persist_timed(arr, client)
+    finished = time.time()
+    computes = worker_computes(client, keys_of(done))
+    return seconds, done, {"computes": len(computes), **phases(submitted, finished, computes)}
+
+
 # -- the demo's partitions (bench_limits.py's demo row, diagnostics/demo_gap.py) ----------
 
 #: The demo's kernel (dask_overlap/demo.py: scale_shift with its default rounds).

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import dask.array as da
     from distributed import Client
 
-__all__ = ["main", "naive_scale_shift", "scale_shift", "wait_released"]
+__all__ = ["main", "naive_scale_shift", "scale_shift", "summed_stats", "wait_released"]
 
 _COLS = 1024  # float32 columns: a row is 4 KiB, and partitions are whole rows
 
@@ -202,7 +202,7 @@ def _persist_timed(arr: da.Array) -> tuple[da.Array, float]:
     return arr, time.perf_counter() - t0
 
 
-def _summed_stats(client: Client) -> dict[str, float]:
+def summed_stats(client: Client) -> dict[str, float]:
     """The workers' runtime counters, summed (the numeric ones)."""
     import dask_overlap
 
@@ -314,9 +314,9 @@ def _held(keys: list, dask_worker: Any = None) -> int:
 
 def _counted_run(client: Client, arr: da.Array) -> tuple[da.Array, float, dict[str, float]]:
     """``arr`` persisted, its seconds, and what the workers' runtimes counted meanwhile."""
-    before = _summed_stats(client)
+    before = summed_stats(client)
     arr, seconds = _persist_timed(arr)
-    after = _summed_stats(client)
+    after = summed_stats(client)
     return arr, seconds, {k: v - before.get(k, 0) for k, v in after.items()}
 
 

@@ -56,13 +56,12 @@ from common import (  # noqa: E402
     demo_input,
     demo_threaded,
     keys_of,
+    persist_phased,
     persist_timed,
-    phases,
-    worker_computes,
 )
 
 import dask_overlap  # noqa: E402
-from dask_overlap.demo import scale_shift, wait_released  # noqa: E402
+from dask_overlap.demo import scale_shift, summed_stats, wait_released  # noqa: E402
 
 VARIANTS = ("as-is", "no-profiler", "threads16", "frozen", "no-trim")
 TRIM = "MALLOC_TRIM_THRESHOLD_"  # what distributed's nanny sets in each worker
@@ -80,13 +79,6 @@ def _gc_watch_stop() -> dict:
     pauses = callback.__self__
     pauses.__exit__(None, None, None)
     return pauses.summary()
-
-
-def _result_counts(client: Client) -> dict[str, int]:
-    """The workers' result pools' counts so far (summed): results made over memory used
-    before, and over fresh memory."""
-    stats = client.run(dask_overlap.runtime_stats).values()
-    return {k: sum(int(s.get(k) or 0) for s in stats) for k in ("results_reused", "results_fresh")}
 
 
 def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> list[dict]:
@@ -123,14 +115,12 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
         wait_released(client, keys_of(persist_timed(run_of(0)[:warm], client)[1]))
         for i in range(repeat):
             client.run(_gc_watch_start)
-            before = _result_counts(client)
-            t0, submitted = time.process_time(), time.time()
-            seconds, done = persist_timed(run_of(i + 1), client)
-            finished = time.time()
+            before = summed_stats(client)
+            t0 = time.process_time()
+            seconds, done, split = persist_phased(run_of(i + 1), client)
             gcs = list(client.run(_gc_watch_stop).values())[0]
-            after = _result_counts(client)
+            after = summed_stats(client)
             keys = keys_of(done)
-            computes = worker_computes(client, keys)
             del done
             # As the demo and its row do: the next run starts once the worker has let this
             # one's results go (as one process frees them at once), not while the
@@ -143,9 +133,12 @@ def run_variant(variant: str, rows: int, rows_per_part: int, repeat: int) -> lis
                     "client_cpu_s": time.process_time() - t0,
                     "worker_trim": sorted(map(str, trims)),
                     # results made over memory used before / fresh, in this run
-                    **{k: after[k] - before[k] for k in after},
-                    "computes": len(computes),
-                    "phases": phases(submitted, finished, computes),
+                    **{
+                        k: int(after.get(k, 0) - before.get(k, 0))
+                        for k in ("results_reused", "results_fresh")
+                    },
+                    "computes": split.pop("computes"),
+                    "phases": split,
                 }
             )
         if variant == "frozen":
