@@ -1159,7 +1159,10 @@ def _host_ceilings(rt: Any, block: np.ndarray, ratio: float) -> tuple[dict, floa
     ceilings = {"h2d": copy, "d2h": copy, "host_cores": float(os.cpu_count() or 1)}
     ceilings.update(_host_rates(np.empty(max(block.nbytes, PROBE_BYTES), np.uint8), 1))
     base = _best(lambda: make_kernel(0)(block))
-    one = _best(lambda: make_kernel(1)(block)) - base
+    # A probe of several passes, as on the GPU: one pass's cost taken as the difference of
+    # two noisy bests could come out at twice its size and halve the iterations.
+    probe = 8
+    one = (_best(lambda: make_kernel(probe)(block)) - base) / probe
     iterations = _iterations(one, base, ratio * block.nbytes / copy)
     return ceilings, _best(lambda: make_kernel(iterations)(block)), iterations
 
