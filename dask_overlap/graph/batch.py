@@ -201,11 +201,13 @@ def with_data_gathered(graph: HighLevelGraph, keys: Any) -> HighLevelGraph:
         source = graph.layers[layer.source]
         if type(source) is not MaterializedLayer or readers.get(layer.source) != {name}:
             continue
-        values = {key: block_data(key, value) for key, value in source.items()}
-        if any(v is None for v in values.values()) or not asked.isdisjoint(values):
-            continue
-        if any(b not in values for blocks in layer.gathers.values() for b in blocks):
+        if any(b not in source for blocks in layer.gathers.values() for b in blocks):
             continue  # (a layer that does not hold every block gathered: left as it is)
+        if not asked.isdisjoint(source):
+            continue
+        values = {key: block_data(key, value) for key, value in source.items()}
+        if any(v is None for v in values.values()):
+            continue
         layers[name] = MaterializedLayer(
             {
                 key: keyed_task(key, gather, layer.axis, *(values[b] for b in blocks))
