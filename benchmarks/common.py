@@ -763,6 +763,8 @@ def phases(submitted: float, done: float, computes: list[tuple[float, float, Has
      'hop_max_ms': 20.0, 'busy': 0.925}
     >>> phases(0.0, 1.0, [])  # no record found: nothing to split (the run is not lost)
     {}
+    >>> phases(0.0, 1.0, [(0.5, 0.5, 1)])["busy"]  # no span: no fraction to take of it
+    0.0
     """
     if not computes:
         return {}
@@ -781,7 +783,7 @@ def phases(submitted: float, done: float, computes: list[tuple[float, float, Has
         "tail_ms": 1e3 * (done - last),
         "hop_mean_ms": 1e3 * sum(hops) / len(hops) if hops else 0.0,
         "hop_max_ms": 1e3 * max(hops, default=0.0),
-        "busy": work / (len(by_thread) * (last - first)),
+        "busy": work / (len(by_thread) * (last - first)) if last > first else 0.0,
     }
 
 
