@@ -97,33 +97,39 @@ def _parser() -> argparse.ArgumentParser:
         description="Run dask_overlap.map_blocks on a local cluster and check it against Dask.",
     )
     sub_chunk = dask.config.get("overlap.sub-chunk-bytes")
-    p.add_argument("--size", default=None, help="input bytes (default 256MiB; 4GiB on a GPU)")
+    p.add_argument(
+        "--size", type=_rows_bytes, default=None, help="input bytes (default 256MiB; 4GiB on a GPU)"
+    )
     p.add_argument(
         "--chunk",
         "--partition",
+        type=_rows_bytes,
         default=None,
         help="bytes per Dask chunk of the input (default size/16); batch='auto' may run "
         "small chunks several to a partition",
     )
     p.add_argument(
         "--sub-chunk",
+        type=_sub_chunk,
         default=None,
         help=f"bytes per sub-chunk (default overlap.sub-chunk-bytes, now {sub_chunk})",
     )
     p.add_argument(
         "--workers",
-        type=int,
+        type=_positive,
         default=None,
         help=f"default: one per GPU; {CPU_WORKERS} on a machine with no GPU",
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=_positive,
         default=None,
         help=f"partitions in flight per worker (default {THREADS_PER_WORKER} per GPU; on a "
         "machine with no GPU, its cores shared among the workers)",
     )
-    p.add_argument("--rounds", type=int, default=2, help="kernel length (elementwise passes)")
+    p.add_argument(
+        "--rounds", type=_at_least(0), default=2, help="kernel length (elementwise passes)"
+    )
     p.add_argument(
         "--repeat",
         type=_positive,
@@ -133,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--keep-open",
-        type=float,
+        type=_seconds,
         default=0.0,
         metavar="SECONDS",
         help="keep the cluster (and its dashboard) up this long after the run",
@@ -141,21 +147,64 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
+def _at_least(least: int) -> Any:
+    """An argparse type: an integer of at least ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected at least {least}, got {value}")
+        return value
+
+    return parse
+
+
+_positive = _at_least(1)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds, 0 or more."""
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected 0 or more seconds, got {text!r}")
     return value
+
+
+def _rows_bytes(text: str) -> int:
+    """An argparse type: a byte count such as 256MiB, of at least one row (4 KiB)."""
+    try:
+        value = parse_bytes(text)
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected bytes such as 256MiB, got {text!r}") from None
+    if value < 4 * _COLS:
+        raise argparse.ArgumentTypeError(
+            f"expected at least one row of {format_bytes(4 * _COLS)}, got {text!r}"
+        )
+    return value
+
+
+def _sub_chunk(text: str) -> str:
+    """An argparse type: ``auto`` or a positive byte count, checked before any cluster starts."""
+    from .config import check_bytes
+
+    if text != "auto":
+        try:
+            check_bytes("--sub-chunk", text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected auto or {e}") from None
+    return text
 
 
 def _setup(args: argparse.Namespace, gpu: bool) -> _DemoSetup:
     """The flags, with the defaults of this machine (larger on a GPU) where they are left out."""
-    size = parse_bytes(args.size or ("4GiB" if gpu else "256MiB"))
-    chunk = parse_bytes(args.chunk) if args.chunk else max(size // 16, 1 << 20)
+    size = args.size or parse_bytes("4GiB" if gpu else "256MiB")
+    chunk = args.chunk or max(size // 16, 1 << 20)
     return _DemoSetup(
         gpu=gpu,
         rows=max(1, size // (4 * _COLS)),

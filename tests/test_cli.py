@@ -104,6 +104,9 @@ def test_options_from_config_and_from_flags_agree() -> None:
     assert from_flags == from_config
     assert from_flags == OverlapPlugin(in_flight=3, pinned_pool_size="64MiB", streams=2).options
     assert parse("--backend", "timed").backend == "timed"
+    # A count or auto (the schema's oneOf), each as the flag's text.
+    assert parse("--staging-threads", "4").staging_threads == 4
+    assert parse("--staging-threads", "auto").staging_threads == "auto"
     # The CLI and LocalGPUCluster lay workers out through the same function.
     layout = plan_workers(cuda_visible_devices="", allow_cpu=True, options=from_flags)
     assert layout.options == dataclasses.replace(from_config, backend="host")
@@ -117,12 +120,26 @@ def test_options_from_config_and_from_flags_agree() -> None:
         (["worker", "tcp://a:1", "--backend", "gpu"], 2, "--backend"),
         (["worker", "tcp://a:1", "--pinned-pool-size", "lots"], 1, "pinned_pool_size"),
         (["worker", "tcp://a:1", "--cuda-visible-devices", ""], 1, "--allow-cpu"),
+        (["worker", "tcp://a:1", "--allow-cpu", "--memory-limit", "lots"], 1, "--memory-limit"),
+        (["worker", "tcp://a:1", "--allow-cpu", "--memory-limit", "-1GiB"], 1, "got '-1GiB'"),
+        (["worker", "tcp://a:1", "--death-timeout", "-1"], 2, "--death-timeout"),
+        (["worker", "tcp://a:1", "--staging-threads", "x"], 2, "an integer of at least 1 or auto"),
+        (["worker", "tcp://a:1", "--staging-threads", "0"], 2, "--staging-threads"),
     ],
 )
 def test_worker_rejects_bad_flags_before_starting(args: list[str], code: int, message: str) -> None:
     result = CliRunner().invoke(main, args)
     assert result.exit_code == code, result.output
     assert message in result.output
+
+
+def test_worker_that_cannot_start_says_why_without_a_traceback() -> None:
+    args = ["worker", "tcp://127.0.0.1:1", "--allow-cpu", "--cuda-visible-devices", ""]
+    result = CliRunner().invoke(main, [*args, "--n-workers", "1", "--interface", "nosuch0"])
+    assert result.exit_code == 1, result.output
+    assert "the workers could not start" in result.output, result.output
+    assert "'nosuch0' is not a valid network interface" in result.output, result.output
+    assert result.exc_info is None or result.exc_info[0] is SystemExit
 
 
 @needs_install
@@ -214,6 +231,30 @@ def test_demo_defaults_are_what_its_help_says() -> None:
     assert cpu.repeat == 1 and _setup(_parser().parse_args(["--repeat", "3"]), False).repeat == 3
     with pytest.raises(SystemExit):
         _parser().parse_args(["--repeat", "0"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--size", "0"], "--size: expected at least one row of 4.00 kiB, got '0'"),
+        (["--size", "abc"], "--size: expected bytes such as 256MiB, got 'abc'"),
+        (["--chunk=-4MiB"], "--chunk/--partition: expected at least one row"),
+        (["--sub-chunk", "lots"], "--sub-chunk: expected auto or --sub-chunk must be"),
+        (["--workers", "0"], "--workers: expected at least 1, got 0"),
+        (["--threads=-1"], "--threads: expected at least 1, got -1"),
+        (["--rounds=-3"], "--rounds: expected at least 0, got -3"),
+        (["--keep-open=-5"], "--keep-open: expected 0 or more seconds"),
+    ],
+)
+def test_demo_refuses_bad_arguments_before_a_cluster_starts(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dask_overlap.demo import _parser
+
+    with pytest.raises(SystemExit) as info:
+        _parser().parse_args(args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.timeout(300)

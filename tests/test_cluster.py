@@ -15,7 +15,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import Client, LocalCluster, Nanny, wait
 from support import CLUSTER_KW, plugin, poll
 
 import dask_overlap
@@ -247,6 +247,36 @@ def test_local_gpu_cluster_without_gpu_says_so(monkeypatch: pytest.MonkeyPatch) 
         LocalGPUCluster(allow_cpu=True, processes=False, **CLUSTER_KW)
 
 
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"threads_per_worker": 0}, "threads_per_worker must be a positive integer, got 0"),
+        ({"threads_per_worker": "2"}, "threads_per_worker must be a positive integer, got '2'"),
+        ({"threads_per_worker": 1.5}, "threads_per_worker must be a positive integer"),
+        ({"memory_limit": "lots"}, "memory_limit must be 'auto', a byte count .*got 'lots'"),
+        ({"memory_limit": "-1GiB"}, "memory_limit must be .*got '-1GiB'"),
+        ({"memory_limit": True}, "memory_limit must be .*got True"),
+    ],
+)
+def test_local_gpu_cluster_checks_its_arguments_before_starting(
+    kw: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        LocalGPUCluster(allow_cpu=True, cuda_visible_devices="", **kw, **CLUSTER_KW)
+
+
+class _NannyThatFails(Nanny):
+    async def start_unsafe(self) -> Any:
+        raise OSError("this nanny does not start")
+
+
+def test_a_worker_that_fails_to_start_fails_the_cluster() -> None:
+    # It came up with no worker before, the failure only logged: work then waited forever.
+    with pytest.raises(RuntimeError, match="failed to start") as info:
+        LocalGPUCluster(allow_cpu=True, n_workers=1, worker_class=_NannyThatFails, **CLUSTER_KW)
+    assert "this nanny does not start" in str(info.value.__cause__)
+
+
 # --- layout and options, no cluster -------------------------------------------------
 
 
@@ -265,6 +295,9 @@ def test_parse_devices_and_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None
     assert parse_devices("1,-1,2") == ["1"]
     assert parse_devices("") == []
     assert parse_devices([0, "GPU-ab"]) == ["0", "GPU-ab"]
+    assert parse_devices(1) == ["1"]  # one index, as a user may write it
+    with pytest.raises(TypeError, match="cuda_visible_devices must be .*got 1.5"):
+        parse_devices(1.5)  # type: ignore[arg-type]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1,GPU-2")
     assert visible_gpus() == ["GPU-1", "GPU-2"]
     smi = (

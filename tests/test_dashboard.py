@@ -244,6 +244,14 @@ def test_plugin_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="link_bandwidth"):
         OverlapSchedulerPlugin(link_bandwidth="fast")
     assert OverlapSchedulerPlugin(link_bandwidth="25GB").link_bandwidth == 25e9
+    with pytest.raises(ValueError, match="link_bandwidth"):
+        OverlapSchedulerPlugin(link_bandwidth=float("inf"))
+    for seconds in ("10", float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="timeline_seconds must be .*got"):
+            OverlapSchedulerPlugin(timeline_seconds=seconds)  # type: ignore[arg-type]
+    for limit in (0, -5, "many"):
+        with pytest.raises(ValueError, match="timeline_limit must be a positive integer, got"):
+            OverlapSchedulerPlugin(timeline_limit=limit)  # type: ignore[arg-type]
 
 
 def synthetic(n: int = 6) -> dict[str, Any]:
@@ -276,6 +284,9 @@ def test_view_and_static_render(tmp_path: Path) -> None:
     assert view.panels == {} and view.timeline_source.data["left"] == []
     out = render_html(synthetic(), str(tmp_path / "overlap.html"))
     assert "overlap-timeline" in Path(out).read_text()
+    assert "link ceiling 55.0 GB/s" in Path(out).read_text()  # the snapshot's own
+    out = render_html(synthetic(), str(tmp_path / "asked.html"), link_bandwidth="25GB")
+    assert "link ceiling 25.0 GB/s" in Path(out).read_text()  # one asked for wins
 
 
 def test_transfers_in_have_a_lane_of_their_own() -> None:

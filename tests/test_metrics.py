@@ -117,6 +117,24 @@ def test_nvtx_ranges_are_named_after_the_key_and_sub_chunk(monkeypatch) -> None:
     assert pushed[1][1] == 0xFF000000 | int(stages.COLORS["h2d"][1:], 16)
 
 
+def test_rates_and_overlap_count_only_the_part_of_a_span_in_their_window() -> None:
+    from dask_overlap.pipeline.runtime import Span
+
+    key = ("x", 0)
+    # A 10 s copy of 10 GB (1 GB/s), then a kernel over the copy's last second.
+    copy = Span(key, 0, 0, "h2d", 0.0, 10.0, 10 * 10**9)
+    kernel = Span(key, 0, 1, "compute", 9.0, 10.0, 0)
+    moved, busy, wall = timeline.window_totals([copy], now=10.0, seconds=2.0)
+    assert moved["h2d"] == pytest.approx(2e9) and busy == wall == pytest.approx(2.0)
+    moved, busy, wall = timeline.window_totals([copy, kernel], now=10.0, seconds=2.0)
+    assert busy / wall == pytest.approx(1.5)  # never more than the stages that overlapped
+    # A copy of no length that ended inside the window counts whole; one before it not.
+    instant = Span(key, 1, 0, "d2h", 9.5, 9.5, 100)
+    old = Span(key, 2, 0, "d2h", 1.0, 2.0, 100)
+    moved, _, _ = timeline.window_totals([instant, old], now=10.0, seconds=2.0)
+    assert moved["d2h"] == 100
+
+
 def test_worker_metrics_heartbeat_and_detail_of_a_threaded_run() -> None:
     x = da.ones((64, 1024), chunks=(32, 1024))
     y = dask_overlap.map_blocks(double, x, split_axis=0, sub_chunk_bytes="32KiB")
@@ -407,12 +425,21 @@ def test_worker_prometheus_endpoint(run: dict[str, Any]) -> None:
         total += float(line.split()[-1])
         for name in (
             "in_flight",
-            "pinned_bytes_in_use",
-            "overlap_efficiency",
+            "pinned_in_use_bytes",
+            "pinned_pool_size_bytes",
+            "stage_overlap_ratio",
             "busy_seconds_total",
-            "result_bytes_idle",
+            "result_idle_bytes",
         ):
-            assert f"dask_overlap_{name}" in text, name
+            assert f"dask_overlap_{name}{{" in text, name
+        # Every series' unit comes last, as Prometheus names go.
+        names = {
+            ln.split()[2].removeprefix("dask_overlap_").removesuffix("_total")
+            for ln in text.splitlines()
+            if ln.startswith("# TYPE dask_overlap_")
+        }
+        misplaced = {n for n in names if "bytes" in n and not n.endswith(("bytes", "_per_second"))}
+        assert "pinned_in_use_bytes" in names and not misplaced, names
     assert total == run["nbytes"]
 
 

@@ -25,12 +25,11 @@ from typing import Any
 import click
 import dask.config
 from distributed import Nanny
-from distributed.worker_memory import parse_memory_limit
 
 from .. import __version__
 from ..config import Options
 from ..dashboard import register_with_scheduler
-from .local import THREADS_PER_WORKER, WorkerLayout, plan_workers
+from .local import THREADS_PER_WORKER, WorkerLayout, plan_workers, worker_memory_limit
 from .plugin import OverlapPlugin, resolve_options
 from .ucx import check_protocol, is_ucx, protocols, require_ucx, scheme_of
 
@@ -49,6 +48,49 @@ def _schema() -> dict[str, Any]:
         return json.load(f)["properties"]["overlap"]["properties"]
 
 
+class _IntOrWords(click.ParamType):
+    """An integer of at least ``minimum``, or one of ``words``: a schema's ``oneOf`` of an
+    integer and constants (``staging-threads``: a count or ``auto``)."""
+
+    name = "integer"
+
+    def __init__(self, minimum: int | None, words: tuple[str, ...]):
+        self.minimum, self.words = minimum, words
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return f"[INTEGER|{'|'.join(self.words)}]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value in self.words or isinstance(value, int):
+            return value
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or (self.minimum is not None and number < self.minimum):
+            least = "" if self.minimum is None else f" of at least {self.minimum}"
+            self.fail(
+                f"expected an integer{least} or {' or '.join(self.words)}, got {value!r}",
+                param,
+                ctx,
+            )
+        return number
+
+
+def _flag_type(spec: dict[str, Any]) -> click.ParamType:
+    """The click type of an option whose schema is ``spec``."""
+    if "enum" in spec:
+        return click.Choice(spec["enum"])
+    if spec.get("type") == "integer":
+        return click.IntRange(min=spec.get("minimum"))
+    branches = spec.get("oneOf", ())
+    numbers = [b for b in branches if b.get("type") == "integer"]
+    words = tuple(b["const"] for b in branches if "const" in b)
+    if numbers and words:
+        return _IntOrWords(numbers[0].get("minimum"), words)
+    return click.STRING
+
+
 def _option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     """One ``--flag`` per runtime option but ``timed`` (``--key/--no-key`` for a boolean),
     typed and documented by the schema."""
@@ -65,15 +107,9 @@ def _option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
                 command
             )
             continue
-        if "enum" in spec:
-            kind: click.ParamType = click.Choice(spec["enum"])
-        elif spec.get("type") == "integer":
-            kind = click.IntRange(min=spec.get("minimum"))
-        else:
-            kind = click.STRING
-        command = click.option(f"--{key}", field.name, type=kind, default=None, help=help_text)(
-            command
-        )
+        command = click.option(
+            f"--{key}", field.name, type=_flag_type(spec), default=None, help=help_text
+        )(command)
     return command
 
 
@@ -188,7 +224,7 @@ def main() -> None:
 )
 @click.option(
     "--death-timeout",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     help="Seconds to wait for a scheduler before giving up [default: forever].",
 )
 @click.option(
@@ -241,7 +277,7 @@ def worker(
             options=options_from_params(**option_flags),
             protocol=worker_protocol(protocol, scheduler, scheduler_file),
         )
-        limit = parse_memory_limit(memory_limit, 1, layout.n_workers, logger=logger)
+        limit = worker_memory_limit(memory_limit, layout.n_workers, name="--memory-limit")
         nthreads = nthreads or layout.threads_per_worker
     except (ValueError, TypeError, RuntimeError, ImportError) as e:
         raise click.ClickException(str(e)) from None
@@ -273,6 +309,11 @@ def worker(
     except TimeoutError:
         click.echo("dask overlap worker: timed out starting or reaching the scheduler", err=True)
         sys.exit(1)
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        # A nanny that cannot start (an interface this host lacks, an address in use):
+        # what went wrong, with what distributed says it was caused by, not a traceback.
+        cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
+        raise click.ClickException(f"the workers could not start: {e}{cause}") from None
 
 
 async def _still_waiting(where: str) -> None:

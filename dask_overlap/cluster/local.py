@@ -24,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from numbers import Integral
 from typing import Any
 
 import dask.config
@@ -44,6 +45,7 @@ __all__ = [
     "WorkerLayout",
     "plan_workers",
     "visible_gpus",
+    "worker_memory_limit",
 ]
 
 # Threads of a GPU worker: the partitions in flight on its GPU. Measured on an H200
@@ -67,8 +69,8 @@ _NO_GPU = (
 )
 
 
-def parse_devices(value: str | Sequence[str | int]) -> list[str]:
-    """Device ids from a ``CUDA_VISIBLE_DEVICES`` string (or a sequence of ids).
+def parse_devices(value: str | int | Sequence[str | int]) -> list[str]:
+    """Device ids from a ``CUDA_VISIBLE_DEVICES`` string (or one index, or a sequence of ids).
 
     As CUDA does, the list ends at the first ``-1``; ids may be indices or UUIDs.
 
@@ -76,16 +78,60 @@ def parse_devices(value: str | Sequence[str | int]) -> list[str]:
     --------
     >>> parse_devices("0, 2,1")
     ['0', '2', '1']
+    >>> parse_devices(1)
+    ['1']
     >>> parse_devices("-1")
     []
     """
-    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, Integral) and not isinstance(value, bool):
+        items = [str(value)]
+    elif isinstance(value, Sequence):
+        items = [str(v) for v in value]
+    else:
+        raise TypeError(
+            "cuda_visible_devices must be a CUDA_VISIBLE_DEVICES string such as '0,1', "
+            f"a device index or a sequence of ids; got {value!r}"
+        )
     out = []
     for item in (s.strip() for s in items):
         if not item or item == "-1":
             break
         out.append(item)
     return out
+
+
+def worker_memory_limit(
+    value: str | float | None, n_workers: int, *, name: str = "memory_limit"
+) -> int | None:
+    """Each of ``n_workers`` workers' memory limit in bytes (``None``: no limit), read as
+    distributed reads it (``"auto"`` shares this machine's memory among the workers, a
+    number at most 1 is a fraction of it, 0 or ``None`` is no limit), or a ValueError
+    that names ``name``.
+
+    Examples
+    --------
+    >>> worker_memory_limit("4GiB", 2)
+    4294967296
+    >>> worker_memory_limit("-1GiB", 2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: memory_limit must be 'auto', a byte count such as '32GiB', ...; got '-1GiB'
+    """
+    expected = ValueError(
+        f"{name} must be 'auto', a byte count such as '32GiB', a fraction of this "
+        f"machine's memory (at most 1) or 0 for none; got {value!r}"
+    )
+    if isinstance(value, bool):
+        raise expected
+    try:
+        limit = parse_memory_limit(value, 1, n_workers, logger=logger)
+    except (ValueError, TypeError):
+        raise expected from None
+    if limit is not None and limit < 0:
+        raise expected
+    return limit
 
 
 def _parse_nvidia_smi(text: str) -> list[str]:
@@ -246,7 +292,7 @@ class WorkerLayout:
 def plan_workers(
     n_workers: int | None = None,
     *,
-    cuda_visible_devices: str | Sequence[str | int] | None = None,
+    cuda_visible_devices: str | int | Sequence[str | int] | None = None,
     allow_cpu: bool = False,
     options: Options | None = None,
     protocol: str | None = None,
@@ -365,7 +411,7 @@ class LocalGPUCluster(LocalCluster):
         n_workers: int | None = None,
         threads_per_worker: int | None = None,
         *,
-        cuda_visible_devices: str | Sequence[str | int] | None = None,
+        cuda_visible_devices: str | int | Sequence[str | int] | None = None,
         allow_cpu: bool = False,
         options: Options | None = None,
         memory_limit: str | float | int | None = "auto",
@@ -392,10 +438,11 @@ class LocalGPUCluster(LocalCluster):
         dashboard_plugin = OverlapSchedulerPlugin()
         scheduler_kwargs["plugins"] = [*scheduler_kwargs.get("plugins", ()), dashboard_plugin]
         threads = (
-            self.layout.threads_per_worker if threads_per_worker is None else threads_per_worker
+            self.layout.threads_per_worker
+            if threads_per_worker is None
+            else check_positive_int("threads_per_worker", threads_per_worker)
         )
-        if memory_limit is not None:
-            memory_limit = parse_memory_limit(memory_limit, 1, self.layout.n_workers, logger=logger)
+        memory_limit = worker_memory_limit(memory_limit, self.layout.n_workers)
         # Start with no workers: LocalCluster gives all its workers one spec, and each of
         # ours needs its own environment; new_worker_spec makes them, here and on scale.
         super().__init__(
@@ -407,7 +454,12 @@ class LocalGPUCluster(LocalCluster):
             protocol=self.layout.protocol,
             **kwargs,
         )
-        self.scale(self.layout.n_workers)
+        # The specs go in here rather than through scale(), whose start runs in a callback
+        # of its own: a worker that failed to start there was only logged, and the cluster
+        # came up with none. The start below (or the awaiting of an asynchronous cluster)
+        # raises it.
+        for _ in range(self.layout.n_workers):
+            self.worker_spec.update(self.new_worker_spec())
         if not self.asynchronous:
             try:
                 self.sync(self._correct_state)

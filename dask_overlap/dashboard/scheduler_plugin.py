@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
+from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 import dask.config
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from ..config import check_positive_int
 from ..metrics.worker import METRICS_NAME, TIMELINE_HANDLER, TIMELINE_LIMIT
 from .handlers import OverlapJSONHandler, overlap_document
 from .history import Histories
@@ -73,7 +76,11 @@ class OverlapSchedulerPlugin(SchedulerPlugin):
         timeline_limit: int = TIMELINE_LIMIT,
     ):
         self.link_bandwidth = resolve_link_bandwidth(link_bandwidth)
-        if not timeline_seconds > 0:
+        if (
+            isinstance(timeline_seconds, bool)
+            or not isinstance(timeline_seconds, Real)
+            or not 0 < timeline_seconds < math.inf
+        ):
             raise ValueError(
                 f"timeline_seconds must be a positive number of seconds, got {timeline_seconds!r}"
             )
@@ -81,7 +88,7 @@ class OverlapSchedulerPlugin(SchedulerPlugin):
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 50:
             raise ValueError(f"interval must be an int of at least 50 (ms), got {interval!r}")
         self.interval_ms = interval
-        self.timeline_limit = int(timeline_limit)
+        self.timeline_limit = check_positive_int("timeline_limit", timeline_limit)
         self._state()
 
     def _state(self) -> None:

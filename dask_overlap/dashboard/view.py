@@ -3,6 +3,7 @@ returns), and the same page as a standalone HTML file (:func:`render_html`)."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ def resolve_link_bandwidth(value: Any = None) -> float:
     """The link's ceiling in bytes/s: ``value`` (bytes/s or a string such as ``"55GB"``),
     or ``overlap.link-bandwidth`` when ``None``."""
     value = dask.config.get("overlap.link-bandwidth") if value is None else value
-    if isinstance(value, float) and value > 0:  # as a snapshot carries it
+    if isinstance(value, float) and 0 < value < math.inf:  # as a snapshot carries it
         return value
     return float(check_bytes("link_bandwidth", value))
 
@@ -167,7 +168,9 @@ def render_html(snap: dict[str, Any], path: str, link_bandwidth: float | None = 
     from bokeh.embed import file_html
     from bokeh.resources import INLINE
 
-    view = OverlapView(resolve_link_bandwidth(snap.get("link_bandwidth", link_bandwidth)))
+    # An explicit ceiling wins over the one the snapshot carries.
+    given = snap.get("link_bandwidth") if link_bandwidth is None else link_bandwidth
+    view = OverlapView(resolve_link_bandwidth(given))
     view.update(snap)
     with open(path, "w") as f:
         f.write(file_html(view.root, INLINE, "dask_overlap: /overlap"))

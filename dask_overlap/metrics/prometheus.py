@@ -15,9 +15,10 @@ Series (counters get prometheus_client's ``_total`` suffix): ``partitions``,
 ``backpressure_seconds``,
 ``bytes`` (label ``direction``: staged, h2d, d2h, unstaged), ``busy_seconds`` (label
 ``stage``); gauges ``partitions_active``, ``in_flight``, ``window_capacity``,
-``pinned_bytes_in_use``, ``pinned_pool_size``, ``device_bytes_in_use``,
-``device_pool_size``, ``result_bytes_idle``, ``overlap_efficiency``,
-``throughput_bytes_per_second`` (label ``direction``: h2d, d2h).
+``pinned_in_use_bytes``, ``pinned_pool_size_bytes``, ``device_in_use_bytes``,
+``device_pool_size_bytes``, ``result_idle_bytes``, ``stage_overlap_ratio`` (the
+runtime's ``overlap_efficiency``), ``throughput_bytes_per_second`` (label ``direction``:
+h2d, d2h).
 """
 
 from __future__ import annotations
@@ -45,17 +46,21 @@ COUNTERS = {
     "pinned_fallbacks": "Buffers that fell back to ordinary memory (pinned pool exhausted)",
     "backpressure_seconds": "Seconds partition tasks waited for room in their window",
 }
-#: Gauge series: help text.
+#: Gauge series: the runtime's key, and the series' name (a unit last, as Prometheus
+#: names go) and help text.
 GAUGES = {
-    "partitions_active": "Partition tasks running now",
-    "in_flight": "Sub-chunks in flight now",
-    "window_capacity": "Sub-chunks the running partitions' windows admit",
-    "pinned_bytes_in_use": "Bytes of the pinned host pool in use",
-    "pinned_pool_size": "Bound of the pinned host pool, bytes",
-    "device_bytes_in_use": "Device bytes in use",
-    "device_pool_size": "Bound of the device pool, bytes",
-    "result_bytes_idle": "Bytes of result memory kept for reuse, unused now",
-    "overlap_efficiency": "Stage busy time over busy wall time, recent",
+    "partitions_active": ("partitions_active", "Partition tasks running now"),
+    "in_flight": ("in_flight", "Sub-chunks in flight now"),
+    "window_capacity": ("window_capacity", "Sub-chunks the running partitions' windows admit"),
+    "pinned_bytes_in_use": ("pinned_in_use_bytes", "Bytes of the pinned host pool in use"),
+    "pinned_pool_size": ("pinned_pool_size_bytes", "Bound of the pinned host pool"),
+    "device_bytes_in_use": ("device_in_use_bytes", "Device bytes in use"),
+    "device_pool_size": ("device_pool_size_bytes", "Bound of the device pool"),
+    "result_bytes_idle": ("result_idle_bytes", "Bytes of result memory kept for reuse, unused"),
+    "overlap_efficiency": (
+        "stage_overlap_ratio",
+        "Stage busy time over the wall time any stage was busy, recent (1: one at a time)",
+    ),
 }
 
 # The runtimes the collector reports, by worker address (forgotten in a forked child,
@@ -97,8 +102,8 @@ class OverlapCollector(PrometheusCollector):
             for k, h in COUNTERS.items()
         }
         gauges = {
-            k: GaugeMetricFamily(self.build_name(k), h, labels=["worker"])
-            for k, h in GAUGES.items()
+            k: GaugeMetricFamily(self.build_name(name), h, labels=["worker"])
+            for k, (name, h) in GAUGES.items()
         }
         moved = CounterMetricFamily(
             self.build_name("bytes"), "Bytes moved, by direction", labels=["worker", "direction"]

@@ -39,13 +39,7 @@ def worker_metrics(rt: Runtime, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     out = rt.stats()
     spans = timeline.recent(list(rt.timeline), now, RATE_SECONDS)
-    moved = {"h2d": 0, "d2h": 0}
-    busy = 0.0
-    for s in spans:
-        if s.stage in moved:
-            moved[s.stage] += s.nbytes
-        busy += max(0.0, s.end - s.start)
-    wall = timeline.busy_wall_seconds([(max(s.start, now - RATE_SECONDS), s.end) for s in spans])
+    moved, busy, wall = timeline.window_totals(spans, now, RATE_SECONDS)
     out.update(
         device_pool_size=rt.options.device_pool_size,
         window_capacity=out["window_capacity"] or rt.options.in_flight,

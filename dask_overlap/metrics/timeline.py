@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..pipeline.runtime import Span
 
-__all__ = ["COLUMNS", "busy_wall_seconds", "columns", "empty", "pack", "recent", "unpack"]
+__all__ = [
+    "COLUMNS",
+    "busy_wall_seconds",
+    "columns",
+    "empty",
+    "pack",
+    "recent",
+    "unpack",
+    "window_totals",
+]
 
 #: The columns of a timeline, in the order of a span's fields.
 COLUMNS = ("key", "sub_chunk", "stream", "stage", "start", "end", "nbytes")
@@ -36,6 +45,39 @@ def recent(spans: Sequence[Span], now: float, seconds: float) -> list[Span]:
             break  # older ones will not qualify either
     out.reverse()
     return out
+
+
+def window_totals(
+    spans: Sequence[Span], now: float, seconds: float
+) -> tuple[dict[str, float], float, float]:
+    """What ``spans`` did within the last ``seconds`` before ``now``: the bytes each copy
+    stage moved there (a copy's bytes spread evenly from its start to its end, as the
+    page's throughput bins spread them), the stages' busy seconds there, and the wall
+    seconds in which any stage was busy there. Only the part of a span inside the
+    window counts: a 10 s kernel that ended just now was busy for 2 s of the last 2.
+
+    Examples
+    --------
+    >>> from dask_overlap.pipeline.runtime import Span
+    >>> copy = Span(("x", 0), 0, 0, "h2d", 0.0, 10.0, 100)  # 100 bytes over 10 s
+    >>> spans = [copy, Span(("x", 0), 0, 0, "compute", 9.0, 10.0, 0)]
+    >>> moved, busy, wall = window_totals(spans, now=10.0, seconds=2.0)
+    >>> moved["h2d"], busy, wall
+    (20.0, 3.0, 2.0)
+    """
+    cut = now - seconds
+    moved = {"h2d": 0.0, "d2h": 0.0}
+    busy, inside = 0.0, []
+    for s in spans:
+        start, end = max(s.start, cut), min(s.end, now)
+        if end < start:
+            continue
+        busy += end - start
+        inside.append((start, end))
+        if s.stage in moved:
+            length = s.end - s.start
+            moved[s.stage] += s.nbytes * (end - start) / length if length > 0 else s.nbytes
+    return moved, busy, busy_wall_seconds(inside)
 
 
 def busy_wall_seconds(intervals: list[tuple[float, float]]) -> float:
