@@ -68,6 +68,7 @@ from .steps import (
     reads,
     reads_blockwise,
     reduced_axes,
+    reduces_to_one,
     result_dtype,
     stage_of_partition,
     stage_of_template,
@@ -123,6 +124,8 @@ def _absorb(
     if step is None:
         return None
     reduces = reduced_axes(consumer)  # a reduction's first step: its axes
+    if reduces and not reduces_to_one(step, task, reduces):
+        return None  # called as one (da.topk's step), but it keeps more than one
     dtype = result_dtype(step, task)
     kept = elementwise(consumer.task)  # (np.sort: on whole blocks, and np.diff's extents
     whole = bool(reduces) or not kept  # are not the layer's to say: left unchecked)

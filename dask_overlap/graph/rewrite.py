@@ -299,7 +299,9 @@ def rerouted(layer: Blockwise, task: Any, new_task: Any, old: str, new: str) -> 
     for cached in ("_cached_dict", "_dims"):
         copied.__dict__.pop(cached, None)
     copied.indices = tuple(
-        (new_task if v is task else new if v == old else v, i) for v, i in layer.indices
+        # Only an array read (an index) is compared: a constant may be an ndarray.
+        (new_task if v is task else new if i is not None and v == old else v, i)
+        for v, i in layer.indices
     )
     numblocks = dict(layer.numblocks)
     numblocks[new] = numblocks.pop(old)

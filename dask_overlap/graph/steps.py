@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 from dask.array import chunk
-from dask.array.core import load_store_chunk
+from dask.array.core import _pass_extra_kwargs, load_store_chunk
 from dask.blockwise import Blockwise
 from dask.layers import ArraySliceDep
 
@@ -41,6 +41,7 @@ __all__ = [
     "reads",
     "reads_blockwise",
     "reduced_axes",
+    "reduces_to_one",
     "result_dtype",
     "stage_of_partition",
     "stage_of_template",
@@ -130,6 +131,21 @@ def reads_blockwise(layer: Blockwise, name: str, grid: tuple[int, ...]) -> bool:
     )
 
 
+def _arguments(layer: Blockwise, task: PartitionTask) -> list[tuple[Any, Any]]:
+    """The (value, index) pairs of ``layer`` (a partition layer) that are arguments of the
+    partition's ``func``, in order: not the task itself, nor the names of the keywords
+    Dask passes it (``_pass_extra_kwargs``' second argument, and only that one: a user's
+    constant may be a tuple too), nor ``block_id``'s values."""
+    names_at = 1 if getattr(layer.task, "func", None) is _pass_extra_kwargs else None
+    return [
+        (value, index)
+        for i, (value, index) in enumerate(layer.indices)
+        if value is not task
+        and i != names_at
+        and not (index is not None and value in layer.io_deps)
+    ]
+
+
 def stage_of_partition(layer: Blockwise, name: str, task: PartitionTask) -> Call | None:
     """``layer`` (a partition layer reading ``name``) as a step of a program: its
     ``func`` called with the value where it read ``name``; ``None`` where it cannot be."""
@@ -139,14 +155,10 @@ def stage_of_partition(layer: Blockwise, name: str, task: PartitionTask) -> Call
     if any(is_task_node(v) for v in kwargs.values()):
         return None  # a keyword Dask computes (a delayed object): left as it is
     args = []
-    for value, index in layer.indices:
-        if value is task or (index is None and isinstance(value, tuple)):
-            continue  # the task itself, and the names of the keywords Dask passes it
-        if index is not None and value in layer.io_deps:
-            continue  # block_id's values
+    for value, index in _arguments(layer, task):
         if index is None and is_task_node(value):
             return None
-        args.append(PREVIOUS if value == name else value)
+        args.append(PREVIOUS if index is not None and value == name else value)
     return Call(task.key_name, task.func, tuple(args), kwargs)
 
 
@@ -171,16 +183,9 @@ def stage_of_template(layer: Blockwise, name: str) -> Template | None:
 def argument_positions(layer: Blockwise, task: PartitionTask) -> dict[str, int]:
     """The arrays ``layer`` (a partition layer) reads, by name, with the position of the
     argument each is to the partition's ``func`` (as :func:`stage_of_partition` counts)."""
-    positions, n = {}, 0
-    for value, index in layer.indices:
-        if value is task or (index is None and isinstance(value, tuple)):
-            continue
-        if index is not None and value in layer.io_deps:
-            continue
-        if index is not None:
-            positions[value] = n
-        n += 1
-    return positions
+    return {
+        value: n for n, (value, index) in enumerate(_arguments(layer, task)) if index is not None
+    }
 
 
 def elementwise_input(layer: Any) -> str | None:
@@ -198,16 +203,28 @@ def elementwise_input(layer: Any) -> str | None:
     return arrays[0][0]
 
 
-def probe(step: Template, task: PartitionTask) -> Any:
-    """``step``'s output on one element of NumPy like the partition's blocks (as Dask infers
-    a meta), or ``None`` where that says nothing (no dtype known before it, an error)."""
+def probe(step: Template, task: PartitionTask, extent: int = 1) -> Any:
+    """``step``'s output on a block of NumPy like the partition's blocks, ``extent``
+    elements along each axis (one, as Dask infers a meta), or ``None`` where that says
+    nothing (no dtype known before it, an error)."""
     if task.out_dtype is None or task.out_chunks is None:
         return None
     try:
         with np.errstate(all="ignore"):
-            return step(np.ones((1,) * len(task.out_chunks), dtype=task.out_dtype))
+            return step(np.ones((extent,) * len(task.out_chunks), dtype=task.out_dtype))
     except Exception:
         return None
+
+
+def reduces_to_one(step: Template, task: PartitionTask, axes: tuple[int, ...]) -> bool:
+    """Whether ``step`` leaves one element along each of ``axes`` of a block with more,
+    as a reduction's first step does (``da.topk``'s is called as one is, with ``axis=``
+    and ``keepdims=True``, and keeps k). A step may give a dict of arrays (``mean``'s
+    sum and count): each must."""
+    out = probe(step, task, extent=2)
+    parts = list(out.values()) if isinstance(out, dict) else [out]
+    shapes = [getattr(part, "shape", None) for part in parts]
+    return all(s is not None and all(s[a] == 1 for a in axes) for s in shapes)
 
 
 def result_dtype(step: Template, task: PartitionTask) -> Any:
