@@ -9,7 +9,9 @@ message that names the parameter, the expectation and the value given.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import threading
 from numbers import Integral, Real
 from typing import Any
 
@@ -39,22 +41,28 @@ def check_positive_int(name: str, value: Any) -> int:
 
 
 def check_bytes(name: str, value: Any, *, allow_zero: bool = False) -> int:
-    """Parse a byte count (``int`` or a string such as ``"32MiB"``) named ``name``."""
+    """Parse a byte count (``int`` or a string such as ``"32MiB"``) named ``name``.
+
+    >>> check_bytes("pinned_pool_size", "-1", allow_zero=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: pinned_pool_size must be a number of bytes >= 0 (e.g. 32MiB), got '-1'
+    """
+    expected = "a number of bytes >= 0" if allow_zero else "a positive number of bytes"
+    error = ValueError(f"{name} must be {expected} (e.g. 32MiB), got {value!r}")
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+        raise error
     if isinstance(value, str):
         try:
             parsed = parse_bytes(value)
-        except (ValueError, TypeError):
-            raise ValueError(
-                f"{name} must be a positive number of bytes (e.g. 32MiB), got {value!r}"
-            ) from None
+        except (ValueError, TypeError, OverflowError):  # OverflowError: "1e400"
+            raise error from None
     elif isinstance(value, Integral):
         parsed = int(value)
     else:
-        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+        raise error
     if parsed < 0 or (parsed == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+        raise error
     return parsed
 
 
@@ -82,7 +90,8 @@ def _check_seconds(name: str, value: Any) -> float:
         seconds = parse_timedelta(value, default="seconds")
     except (ValueError, TypeError, KeyError):
         seconds = None
-    if isinstance(value, bool) or seconds is None or seconds <= 0:
+    # At most what a thread's wait may be given (threading.TIMEOUT_MAX, about 292 years).
+    if isinstance(value, bool) or seconds is None or not 0 < seconds <= threading.TIMEOUT_MAX:
         raise ValueError(f"{name} must be a positive duration (e.g. '10 minutes'), got {value!r}")
     return float(seconds)
 
@@ -121,7 +130,11 @@ class TimedModel:
             if value is None:
                 value = dask.config.get(f"overlap.timed.{key}")
             if field.name == "kernel_seconds":
-                if isinstance(value, bool) or not isinstance(value, Real) or value < 0:
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, Real)
+                    or not 0 <= value < math.inf  # nan and inf too
+                ):
                     raise ValueError(
                         f"overlap.timed.kernel-seconds must be a number >= 0, got {value!r}"
                     )

@@ -189,8 +189,16 @@ def test_unknown_option_and_bad_types():
         TimedModel.from_config(kernel_seconds=-1)
     with pytest.raises(ValueError, match=r"overlap.timed.h2d-bandwidth .*got 'fast'"):
         TimedModel.from_config(h2d_bandwidth="fast")
-    with pytest.raises(ValueError, match=r"pinned_pool_size .*got -1"):
-        Options.from_config(pinned_pool_size=-1)
+    with pytest.raises(ValueError, match=r"pinned_pool_size must be a number of bytes >= 0"):
+        Options.from_config(pinned_pool_size=-1)  # (0 is allowed: no pool)
+    for seconds in (float("nan"), float("inf")):  # nan ran as 0, inf overflowed a wait
+        with pytest.raises(ValueError, match=r"overlap.timed.kernel-seconds .* >= 0, got"):
+            TimedModel.from_config(kernel_seconds=seconds)
+    with pytest.raises(ValueError, match=r"overlap.timed.h2d-bandwidth .*got '1e400'"):
+        TimedModel.from_config(h2d_bandwidth="1e400")  # an OverflowError, named
+    # Longer than a thread's wait may be (every cut partition failed, its gauges left up).
+    with pytest.raises(ValueError, match=r"stall_timeout must be a positive duration"):
+        Options.from_config(stall_timeout=1e10)
 
 
 def test_importing_registers_the_defaults(defaults):

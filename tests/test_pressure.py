@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import pickle
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,6 +73,32 @@ def test_a_failed_partition_gives_its_pinned_memory_back_at_once(backend, config
         assert info.value.__traceback__ is not None  # the exception is still held
 
 
+def test_every_failed_sub_chunk_gives_its_memory_back_not_only_the_first():
+    """Two sub-chunks of one partition fail while in flight together: the partition
+    raises the first, and the second's buffers are given back too, with the garbage
+    collector off (a host stream's frame held its error in a cycle)."""
+    fail, rows = 2, 8
+    barrier = threading.Barrier(fail, timeout=5)
+
+    def f(b: Any) -> Any:
+        if b[0, 0] < fail * rows * 64:  # the first two sub-chunks, in flight together
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait()
+            raise Bad("bad value encountered")
+        return b
+
+    x = da.from_array(np.arange(64 * 64, dtype="f8").reshape(64, 64), chunks=(64, 64))
+    settings = {"overlap.backend": "host", "overlap.direct-bytes": 0}  # streams run at once
+    with dask.config.set(settings), no_garbage_collector():
+        y = dask_overlap.map_blocks(
+            f, x, split_axis=0, sub_chunk_bytes=rows * 64 * 8, in_flight=4, dtype="f8"
+        )
+        with pytest.raises(Bad):
+            y.compute(scheduler="sync")
+        stats = wait_until_idle()
+        assert stats["pinned_bytes_in_use"] == 0 and stats["device_bytes_in_flight"] == 0
+
+
 def test_a_pool_that_held_a_failed_partitions_batch_serves_the_next_one():
     """What a failed partition gave back is there for the next one (no fallback)."""
     x = da.ones((32768, 64), dtype="f4", chunks=(2048, 64))
@@ -86,6 +113,26 @@ def test_a_pool_that_held_a_failed_partitions_batch_serves_the_next_one():
             np.testing.assert_array_equal(y.compute(scheduler="sync"), 2)
     stats = wait_until_idle()
     assert stats["pinned_fallbacks"] == 0 and stats["pinned_bytes_in_use"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_device_results_that_view_their_staged_input_hold_no_ring_block():
+    """On the host backend (device memory is host memory), with every input staged in
+    the ring, a func that returns a view of its block (b[::-1]) under out="device": the
+    results are copied out of the ring, not handed on as ring blocks that Dask holds,
+    which once filled the pool and left every later partition waiting for room."""
+    a = np.arange(24 * 64 * 128, dtype="f8").reshape(24 * 64, 128)
+    x = da.from_array(a, chunks=(64, 128))  # 24 blocks of 64 KiB, 1.5 MiB in all
+    settings = {"overlap.backend": "host", "overlap.direct-bytes": 0}
+    settings["overlap.pinned-pool-size"] = "1MiB"
+    with dask.config.set(settings):
+        y = dask_overlap.map_blocks(lambda b: b[::-1], x, out="device", split_axis=None)
+        (done,) = dask.persist(y, scheduler="threads", num_workers=2)
+        stats = wait_until_idle()
+        assert stats["partitions"] == 24 and stats["pinned_bytes_in_use"] == 0
+        np.testing.assert_array_equal(
+            done.compute(scheduler="sync"), a.reshape(24, 64, 128)[:, ::-1].reshape(a.shape)
+        )
 
 
 # -- an error names its partition ----------------------------------------------------------

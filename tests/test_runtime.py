@@ -221,6 +221,56 @@ def test_settings_changed_later_apply_once_the_runtime_is_idle():
         assert rebuilt is not busy and len(rebuilt.streams) == 2
 
 
+@pytest.mark.parametrize(
+    "key, value",
+    [("in-flight", 2), ("sub-chunk-bytes", "1MiB"), ("fuse", False), ("stall-timeout", 99)],
+)
+def test_options_of_a_call_change_the_runtime_in_place(key, value):
+    """Options read when a graph is built or as partitions go are not what a runtime is
+    built of: a change of them (a dask.config.set around one call) keeps its pools and
+    streams, with no warning while partitions run."""
+    a, x = data()
+    rt = dask_overlap.get_runtime("host")
+    with dask.config.set({f"overlap.{key}": value}), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dask_overlap.get_runtime("host") is rt and not rt.closed
+        field = key.replace("-", "_")
+        assert getattr(rt.options, field) == getattr(Options.from_config(), field)
+        np.testing.assert_array_equal(dask_overlap.map_blocks(np.negative, x).compute(), -a)
+    assert dask_overlap.get_runtime("host") is rt
+
+
+def test_a_task_that_got_a_runtime_just_retired_runs_on_the_new_one(monkeypatch):
+    """Another thread's setting change may retire the runtime a task has just looked up,
+    before the task starts on it: the task looks again, and never runs on a closed one."""
+    from dask_overlap.pipeline import task as task_module
+
+    a, x = data()
+    real, raced = task_module.get_runtime, []
+
+    def racing(backend):
+        rt = real(backend)
+        if not raced:  # once: between this lookup and the start, a change rebuilds it
+            raced.append(rt)
+            with dask.config.set({"overlap.streams": 3}):
+                assert real(backend) is not rt and rt.closed
+        return rt
+
+    monkeypatch.setattr(task_module, "get_runtime", racing)
+    y = dask_overlap.map_blocks(np.negative, x, split_axis=0)
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), -a)
+    assert raced and raced[0].counters.partitions == 0  # nothing ran on the retired one
+
+
+def test_the_heap_is_not_frozen_while_distributed_is_half_imported(monkeypatch):
+    """A module another thread is importing has no Worker class yet: a runtime built
+    then neither fails (it did, with its threads left running) nor freezes the heap."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "distributed.worker", types.ModuleType("distributed.worker"))
+    assert runtime_module.freeze_heap_once() is False
+
+
 def test_separate_runtimes_per_backend():
     host = dask_overlap.get_runtime("host")
     timed = dask_overlap.get_runtime("timed")

@@ -42,6 +42,11 @@ def _run(fn: Callable[[], Any], on_done: OnDone, exclusive: Any) -> None:
         # The runner's callbacks fail their own sub-chunk (executors._callback), so this
         # is a bug of a callback's own: said, and the stream goes on.
         logger.exception("a host stream's completion callback raised")
+    finally:
+        # The error's traceback holds this frame, and so the error: without this, the
+        # cycle kept what fn's frames held (a sub-chunk's buffers) until the collector
+        # ran, where a partition drops every failure but its first.
+        del result, error
 
 
 class HostStream:

@@ -6,7 +6,7 @@ output is an ordinary NumPy array (``"host"``, filled by unstaging or by direct 
 a block of the pinned pool (``"pinned"``, bounded: past its bound an ordinary array,
 counted as a fallback), or device memory (``"device"``). A partition of one sub-chunk
 whose result can be handed on as it is (on the device; or on a backend whose device
-memory is host memory, when nothing went through the ring) has no separate output. A
+memory is host memory, when it holds no block of the ring) has no separate output. A
 partition that ends in a fused store fills the target's region instead (see
 :mod:`.store`).
 """
@@ -67,12 +67,19 @@ class PartitionOutput:
             if into is not None and into.shape == shape and into.dtype == result.dtype:
                 self.array = into
                 return self.lay.out_slice(into, i)
+            host_memory = self.backend.host_memory
             if not self.lay.cut and (
-                spec.out == "device"
+                (
+                    spec.out == "device"
+                    # Where device memory is host memory, a result that is (a view of) its
+                    # input staged in the ring would hold a ring block for as long as Dask
+                    # holds the result, past the pool's bound for held results: copied.
+                    and (not host_memory or direct or not self.backend.is_pinned(result))
+                )
                 or (
                     spec.out == "host"
                     and direct
-                    and self.backend.host_memory
+                    and host_memory
                     and type(result) is np.ndarray  # an ordinary array, as out="host" says
                 )
             ):

@@ -111,6 +111,7 @@ def _run(
         try:
             lay = _lay_out(rt, blocks, spec)
         except Exception as e:
+            counters.add(partitions=1, partitions_failed=1)  # a failed partition all the same
             e.add_note(f"dask_overlap: {spec.func_name}, {_blocks_of(spec)}")
             raise
         work = PartitionWork(rt, func, blocks, kwargs, spec, lay)
@@ -170,19 +171,21 @@ def _drive(work: PartitionWork, ex: InlineExecutor | ThreadedExecutor) -> Failed
             actions = pipe.handle(event)
     finally:
         failed = pipe.failure is not None or not pipe.done
-        if failed:
-            if ex.drain():  # nothing is let go of before the streams are done with it
+        try:
+            # Nothing is let go of before the streams are done with it.
+            if failed and ex.drain():
                 work.release()
-        work.settle(
-            failed,
-            pipe.max_in_flight,
-            {
-                "in_flight": -in_flight,
-                "device_bytes_in_flight": work.device_delta,
-                "backpressure_seconds": waited,
-                "window_capacity": -work.window,
-            },
-        )
+        finally:  # the gauges and the streams' leases, even where the drain raised
+            work.settle(
+                failed,
+                pipe.max_in_flight,
+                {
+                    "in_flight": -in_flight,
+                    "device_bytes_in_flight": work.device_delta,
+                    "backpressure_seconds": waited,
+                    "window_capacity": -work.window,
+                },
+            )
     return pipe.failure
 
 

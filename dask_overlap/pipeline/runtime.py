@@ -126,9 +126,14 @@ def freeze_heap_once() -> bool:
     """
     # distributed has no public "is a scheduler or worker running here": its classes'
     # weak sets of live instances (empty when a later version drops them: we freeze).
+    # A module another thread is importing now has no such class yet: as one that may
+    # start, not frozen (this call; a later runtime may).
     for module, name in (("distributed.scheduler", "Scheduler"), ("distributed.worker", "Worker")):
         loaded = sys.modules.get(module)
-        if loaded is not None and len(getattr(getattr(loaded, name), "_instances", ())):
+        if loaded is None:
+            continue
+        cls = getattr(loaded, name, None)
+        if cls is None or len(getattr(cls, "_instances", ())):
             return False
     if not _frozen.acquire(blocking=False):
         return False
@@ -326,6 +331,17 @@ def process_runtime(backend: str) -> Runtime:
         return rt
 
 
+#: Options a runtime is not built of, so that a change of them updates it in place:
+#: ``in_flight``, ``sub_chunk_bytes`` and ``fuse`` are read when a graph is built,
+#: ``stall_timeout`` and ``pinned_serialize`` as each partition or array goes,
+#: ``cpu_affinity`` when a worker starts, ``freeze_heap`` when a runtime is built. (A
+#: ``dask.config.set`` of the window around one call rebuilt the pools and streams.)
+READ_AS_IT_GOES = frozenset(
+    {"in_flight", "sub_chunk_bytes", "fuse", "stall_timeout", "pinned_serialize"}
+    | {"cpu_affinity", "freeze_heap"}
+)
+
+
 def _settle(rt: Runtime, settings: dict[str, Any]) -> Runtime | None:
     """``rt``, or ``None`` (closed, to be built again) when the settings changed what it
     is and no partition runs on it."""
@@ -334,12 +350,15 @@ def _settle(rt: Runtime, settings: dict[str, Any]) -> Runtime | None:
         f"overlap.{f.name.replace('_', '-')} ({getattr(rt.options, f.name)!r} -> "
         f"{getattr(options, f.name)!r})"
         for f in dataclasses.fields(Options)
-        if f.name != "backend" and getattr(options, f.name) != getattr(rt.options, f.name)
+        if f.name != "backend"
+        and f.name not in READ_AS_IT_GOES
+        and getattr(options, f.name) != getattr(rt.options, f.name)
     ]
     if not changed:
+        rt.options = options
         rt.settings = copy.deepcopy(settings)
         return rt
-    if rt.counters.partitions_active == 0:
+    if rt.counters.retire():  # none runs, and from now on none may start on it
         rt.close()
         return None
     if not rt.warned:

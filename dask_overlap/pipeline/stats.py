@@ -6,7 +6,12 @@ import dataclasses
 import threading
 from typing import Any
 
-__all__ = ["Counters", "Entry"]
+__all__ = ["Counters", "Entry", "Retired"]
+
+
+class Retired(RuntimeError):
+    """A partition tried to enter a runtime retired to be built again (see
+    :meth:`Counters.retire`): the task asks for the process's runtime again."""
 
 
 class Entry:
@@ -58,6 +63,7 @@ class Counters:
     # The running partitions' entries (see ``enter``), and the peak of the one that left last
     _live: list[Entry] = dataclasses.field(default_factory=list, repr=False, compare=False)
     _last_peak: int = 0
+    _retired: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     def _add(self, amounts: dict[str, float]) -> None:
         """Add ``amounts``; the caller holds the lock."""
@@ -76,6 +82,8 @@ class Counters:
         """A partition task starts: counted in ``partitions_active`` until it leaves.
         Its entry keeps the most partitions that ran at once while it ran (``sharing``)."""
         with self._lock:
+            if self._retired:
+                raise Retired("this runtime was retired, to be built again")
             self.partitions_active += 1
             n = self.partitions_active
             entry = Entry(n)
@@ -85,6 +93,26 @@ class Counters:
                 if e.peak < n:
                     e.peak = n
         return entry
+
+    def retire(self) -> bool:
+        """Whether no partition runs now; if none does, none may enter from now on
+        (:meth:`enter` raises :class:`Retired`). Checked and marked under the lock that
+        entering takes: a task that got the runtime just before cannot start on it once
+        it is closed.
+
+        >>> c = Counters()
+        >>> entry = c.enter()
+        >>> c.retire()
+        False
+        >>> c.leave(entry)
+        >>> c.retire()
+        True
+        """
+        with self._lock:
+            if self.partitions_active:
+                return False
+            self._retired = True
+            return True
 
     def leave(self, entry: Entry) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ from .blocks import BatchBlocks
 from .current import get_runtime
 from .partition import PartitionSpec, run_partition
 from .program import EachBlock, Program
+from .stats import Retired
 from .store import Store
 
 __all__ = ["PartitionTask", "PartitionTaskWithInfo", "axis_extents", "block_shape"]
@@ -260,7 +261,12 @@ class PartitionTask:
             self.batch,
             into,
         )
-        result = run_partition(get_runtime(self.backend), func, args, kwargs, spec)
+        while True:
+            try:
+                result = run_partition(get_runtime(self.backend), func, args, kwargs, spec)
+                break
+            except Retired:  # retired between the lookup and the start: the new one
+                continue
         if store is None:
             return result
         if blocks is not None:
