@@ -229,6 +229,77 @@ def test_drop_axis(x3) -> None:
     overlap_equal(lambda b: b.sum(axis=2), x, depth={0: 1, 1: 1, 2: 0}, drop_axis=2)
 
 
+def test_new_axes_are_placed_as_map_blocks_places_them() -> None:
+    """A new axis after the existing ones (new_axis=2 on 2-D data, or inferred from
+    chunks=) was taken modulo the input's rank and trimmed on the wrong axes. (Dask's own
+    map_overlap is wrong here too: the expected values are worked out by hand.)"""
+    a = np.random.default_rng(0).standard_normal((9, 7))
+    x = da.from_array(a, chunks=((4, 5), (3, 4)))
+    trailing = dask_overlap.map_overlap(
+        lambda b: (2 * b)[..., None], x, depth=1, boundary="reflect", new_axis=2, dtype=float
+    )
+    np.testing.assert_array_equal(trailing.compute(), (2 * a)[..., None])
+    both = dask_overlap.map_overlap(
+        lambda b: (2 * b)[None, :, None], x, depth=1, boundary="reflect", new_axis=[2, 0]
+    )
+    np.testing.assert_array_equal(both.compute(), (2 * a)[None, :, None])
+
+    def gradients(b):
+        return np.stack(np.gradient(b), axis=-1)
+
+    padded = ((6, 7), (5, 6), (2,))  # chunks= of the padded blocks, the new axis last
+    got = dask_overlap.map_overlap(
+        gradients, x, depth=1, boundary="reflect", new_axis=2, chunks=padded, dtype=float
+    )
+    assert got.chunks == ((4, 5), (3, 4), (2,))
+    whole = gradients(np.pad(a, 1, mode="symmetric"))[1:-1, 1:-1]
+    blocks = [gradients(np.pad(a, 1, mode="symmetric")[r0:r1, c0:c1])[1:-1, 1:-1]
+              for r0, r1 in ((0, 6), (4, 11)) for c0, c1 in ((0, 5), (3, 9))]  # fmt: skip
+    rows = [np.concatenate(blocks[i : i + 2], axis=1) for i in (0, 2)]
+    expected = np.concatenate(rows, axis=0)
+    assert expected.shape == whole.shape
+    np.testing.assert_allclose(got.compute(), expected)
+    lead = ((1,), (6, 7), (5, 6))  # a new first axis, said only by chunks= (as map_blocks)
+    got = dask_overlap.map_overlap(lambda b: (2 * b)[None], x, depth=1, boundary="reflect",
+                                   chunks=lead, dtype=float)  # fmt: skip
+    np.testing.assert_array_equal(got.compute(), (2 * a)[None])
+
+
+def test_chunks_of_ints_and_tuples_as_dask(x3) -> None:
+    x = da.from_array(np.arange(96.0).reshape(12, 8), chunks=(3, 4))
+    got = overlap_equal(lambda b: b + 1, x, depth=1, boundary="reflect", chunks=((5,) * 4, 6))
+    assert got.shape == (12, 8)
+
+
+def test_block_info_of_the_output_under_chunks_is_the_padded_one_as_dasks() -> None:
+    x = da.from_array(np.arange(63.0).reshape(9, 7), chunks=((4, 5), (5, 2)))
+    seen: dict[str, list] = {"ours": [], "theirs": []}
+
+    def record(which):
+        def f(b, block_info=None):
+            if block_info is not None:
+                seen[which].append(block_info[None])
+            return b
+
+        return f
+
+    kw = {"depth": 1, "boundary": "reflect", "chunks": ((6, 7), (7, 4)), "dtype": float}
+    dask_overlap.map_overlap(record("ours"), x, **kw).compute(scheduler="sync")
+    da.map_overlap(record("theirs"), x, **kw).compute(scheduler="sync")
+    key = lambda info: info["chunk-location"]  # noqa: E731
+    assert sorted(seen["ours"], key=key) == sorted(seen["theirs"], key=key)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore::numpy.exceptions.ComplexWarning")
+@pytest.mark.parametrize(
+    "dtype, constant", [("int32", np.nan), ("int32", 1e20), ("int32", 1 + 2j), ("f8", 1 + 2j)]
+)
+def test_a_constant_boundary_is_cast_to_the_arrays_dtype_as_dask_casts_it(dtype, constant):
+    x = da.from_array(np.arange(20).reshape(4, 5).astype(dtype), chunks=(2, 3))
+    overlap_equal(lambda v: v + np.roll(v, 1, 0), x, depth=1, boundary=constant)
+
+
 def test_depth_zero_is_map_blocks(x3) -> None:
     overlap_equal(lambda b: b * 2, x3, depth=0, boundary="reflect")
 
@@ -365,6 +436,14 @@ def _never(b):
             "Asymmetric overlap is currently only implemented for boundary='none'",
         ),
         ({"depth": 1, "batch": 3}, ValueError, "batch must be 'auto' or 1"),
+        ({"depth": 1, "boundary": ("reflect",)}, ValueError, r"boundary given as a tuple must"),
+        ({"depth": 1, "allow_rechunk": "no"}, TypeError, "allow_rechunk must be True or False"),
+        ({"depth": 1, "align_arrays": "no"}, TypeError, "align_arrays must be True or False"),
+        (
+            {"depth": 1, "drop_axis": 1},  # at compute time before: refused when built now
+            NotImplementedError,
+            r"cannot join the padded blocks .* along an axis it drops .* \(axis 1\)",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_anything_runs(x3, kwargs, error, words) -> None:

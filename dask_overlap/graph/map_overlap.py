@@ -112,10 +112,23 @@ def _check_one_boundary(value: Any, where: str) -> None:
         )
 
 
+def _as_dtype(boundary: Any, dtype: np.dtype) -> Any:
+    """A constant ``boundary`` cast to the array's ``dtype`` as Dask's padding casts it
+    (``full_like``: unsafe, with NumPy's warnings), so that the device fills it as is; a
+    named boundary as it is.
+
+    >>> _as_dtype(2.7, np.dtype("int32")), _as_dtype("reflect", np.dtype("int32"))
+    (np.int32(2), 'reflect')
+    """
+    if isinstance(boundary, str):
+        return boundary
+    return np.full_like(np.empty((), dtype), boundary)[()]
+
+
 def check_boundary(boundary: Any, ndim: int, which: str, keys: int) -> None:
     """One array's ``boundary``: a name or constant, a tuple per axis, or a dict by axis."""
     if boundary is not None:
-        for b, where in _per_axis(boundary, "boundary", which, keys):
+        for b, where in _per_axis(boundary, "boundary", which, keys, ndim):
             _check_one_boundary(b, where)
 
 
@@ -135,14 +148,50 @@ def _rechunked(x: da.Array, depth: dict, allow_rechunk: bool) -> da.Array:
     return x
 
 
-def _out_axes(ndim: int, drop_axis: Any, new_axis: Any) -> tuple[int | None, ...]:
-    """For each output axis, the reference array's axis it stands for (as Dask's
-    ``map_overlap`` relabels ``depth`` for its trim), ``None`` for a new one."""
+def _out_axes(
+    ndim: int, drop_axis: Any, new_axis: Any, chunks: Any = None
+) -> tuple[int | None, ...]:
+    """For each output axis, the reference array's axis it stands for, ``None`` for a
+    new one: placed as ``dask.array.map_blocks`` places them (new axes inserted in
+    sorted order at their positions in the output, or, with ``chunks`` of more axes and
+    no ``new_axis``, the first ones).
+
+    >>> _out_axes(2, None, 2), _out_axes(2, None, [2, 0]), _out_axes(2, 1, None, ((1,), (9,)))
+    ((0, 1, None), (None, 0, None, 1), (None, 0))
+    """
     dropped = {d % ndim for d in as_list(drop_axis)}
     out: list[int | None] = [ax for ax in range(ndim) if ax not in dropped]
-    for axis in as_list(new_axis):
-        out.insert(axis % ndim, None)
+    new = as_list(new_axis)
+    if new_axis is None and chunks is not None and len(out) < len(chunks):
+        new = list(range(len(chunks) - len(out)))
+    for axis in sorted(new):
+        out.insert(axis, None)
     return tuple(out)
+
+
+def _chunks_per_block(chunks: Sequence[Any], out_axes: tuple, numblocks: tuple) -> tuple:
+    """``chunks=`` (each output axis: a block's extent, the same for every block, or each
+    block's) as each block's extents along each output axis."""
+    out = []
+    for c, ax in zip(chunks, out_axes, strict=False):
+        if isinstance(c, Integral):
+            c = (c,) * (1 if ax is None else numblocks[ax])
+        out.append(tuple(c))
+    return tuple(out)
+
+
+def _check_dropped_halos(args: list[da.Array], depths: list[dict], drop_axis: Any) -> None:
+    """A dropped axis (``drop_axis``) of several chunks must have no halo: its padded
+    blocks would be joined on the host (refused when the graph is built, not at compute)."""
+    ndim = max(x.ndim for x in args)  # (drop_axis names axes of the output: of those)
+    for x, depth in zip(args, depths, strict=True):
+        for axis in {d % ndim for d in as_list(drop_axis)} if x.ndim == ndim else ():
+            if x.numblocks[axis] > 1 and sides(depth[axis]) != (0, 0):
+                raise NotImplementedError(
+                    "map_overlap cannot join the padded blocks of several chunks along an "
+                    f"axis it drops (drop_axis) that has a halo (axis {axis}): give it depth "
+                    "0 or rechunk it to one chunk first"
+                )
 
 
 def _trimmed_chunks(chunks: Any, out_axes: tuple, depth: dict, boundary: dict) -> tuple:
@@ -185,13 +234,16 @@ def _normalised(
         )
     depths, bounds = _each(depth, args, "depth"), _each(boundary, args, "boundary")
     for i, (x, d, b) in enumerate(zip(args, depths, bounds, strict=True)):
-        which = f" (array {i})" if isinstance(depth, list) or isinstance(boundary, list) else ""
+        which = f" (array {i})" if len(args) > 1 else ""
         # (A dict's keys may name axes of the arrays of most dimensions: Dask ignores,
         # for each array, those it has not.)
         check_depth(d, x.ndim, which, max(y.ndim for y in args))
         check_boundary(b, x.ndim, which, max(y.ndim for y in args))
     depths = [coerce_depth(x.ndim, d) for x, d in zip(args, depths, strict=True)]
-    bounds = [coerce_boundary(x.ndim, b) for x, b in zip(args, bounds, strict=True)]
+    bounds = [
+        {a: _as_dtype(v, x.dtype) for a, v in coerce_boundary(x.ndim, b).items()}
+        for x, b in zip(args, bounds, strict=True)
+    ]
     if align_arrays:  # (as Dask: reversed, so that blocks broadcast)
         inds = [list(reversed(range(x.ndim))) for x in args]
         _, args = unify_chunks(*list(concat(zip(args, inds, strict=True))), warn=False)
@@ -273,8 +325,11 @@ def map_overlap(
     if isinstance(func, da.Array) and args and callable(args[0]):
         func, args, depth, boundary, trim = _deprecated_signature(func, args, depth, boundary, trim)
     check_func(func)
-    if not isinstance(trim, bool):
-        raise TypeError(f"trim must be True or False, got {trim!r}")
+    for name, flag in (("trim", trim), ("align_arrays", align_arrays)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if not isinstance(allow_rechunk, bool):
+        raise TypeError(f"allow_rechunk must be True or False, got {allow_rechunk!r}")
     args, depths, bounds = _normalised(args, depth, boundary, align_arrays)
     batch = kwargs.pop("batch", "auto")
     if batch not in ("auto", 1) or isinstance(batch, bool):
@@ -300,13 +355,17 @@ def map_overlap(
             )
     args = [_rechunked(x, d, allow_rechunk) for x, d in zip(args, depths, strict=True)]
     ref = sorted(enumerate(args), key=lambda v: (v[1].ndim, -v[0]))[-1][0]
-    out_axes = _out_axes(args[ref].ndim, kwargs.get("drop_axis"), kwargs.get("new_axis"))
-    if kwargs.get("chunks") is not None and trim:
-        chunks = kwargs["chunks"]
-        if all(isinstance(c, Integral) for c in chunks):  # a block's shape, every block's
-            grid = [1 if ax is None else args[ref].numblocks[ax] for ax in out_axes]
-            chunks = tuple((c,) * n for c, n in zip(chunks, grid, strict=False))
-        kwargs["chunks"] = _trimmed_chunks(chunks, out_axes, depths[ref], bounds[ref])
+    chunks = kwargs.get("chunks")
+    out_axes = _out_axes(args[ref].ndim, kwargs.get("drop_axis"), kwargs.get("new_axis"), chunks)
+    _check_dropped_halos(args, depths, kwargs.get("drop_axis"))
+    if chunks is not None and trim:
+        if not isinstance(chunks, Sequence) or callable(chunks):
+            raise TypeError(
+                "chunks must be a tuple of each output axis's extents (an int, or one per "
+                f"block) with map_overlap's trim=True, got {chunks!r}"
+            )
+        padded = _chunks_per_block(chunks, out_axes, args[ref].numblocks)
+        kwargs["chunks"] = _trimmed_chunks(padded, out_axes, depths[ref], bounds[ref])
     halos_of = tuple(_halos(x, d, b) for x, d, b in zip(args, depths, bounds, strict=True))
     free = kwargs.get("chunks") is not None
     wrapped = HaloFunc(func, trim, ref, out_axes, free_shape=free, chunks=halos_of)

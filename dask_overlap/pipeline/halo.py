@@ -245,7 +245,7 @@ class HaloFunc:
         for key, entry in info.items():
             entry = dict(entry)
             if key is None:
-                if self.trim and not self.free_shape:
+                if self.trim:  # (with chunks= too: they declare the padded output)
                     axes = [(o, ax) for o, ax in enumerate(self.out_axes) if ax is not None]
                     entry = _padded_entry(entry, self.chunks[self.ref], margins[self.ref], axes)
             elif isinstance(key, int) and key < len(self.chunks):
