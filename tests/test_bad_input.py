@@ -335,3 +335,32 @@ def test_delayed_argument_without_dtype_asks_for_dtype():
         dask_overlap.map_blocks(lambda b, c: b * c, x, scale)
     y = dask_overlap.map_blocks(lambda b, c: b * c, x, scale, dtype=np.float64)
     np.testing.assert_array_equal(y.compute(), np.full(10, 2.0))
+    # A keyword too: it was inferred as object, and refused as the output's dtype.
+    with pytest.raises(TypeError, match=r"dtype must be given .*dask\.delayed.*got dtype=None"):
+        dask_overlap.map_blocks(lambda b, c: b * c, x, c=scale)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, fragments",
+    [
+        ({"drop_axis": "a"}, TypeError, ["drop_axis", "integer", "got 'a'"]),
+        ({"drop_axis": 1.5}, TypeError, ["drop_axis", "got 1.5"]),
+        ({"drop_axis": [None]}, TypeError, ["drop_axis", "got [None]"]),
+        ({"new_axis": [0.5]}, TypeError, ["new_axis", "got [0.5]"]),
+        ({"drop_axis": 5, "split_axis": 1}, ValueError, ["drop_axis", "[-2, 2)", "got 5"]),
+        ({"new_axis": 5}, ValueError, ["new_axis", "output (3 dimension(s))", "got 5"]),
+        ({"chunks": (2,)}, ValueError, ["Provided chunks have 1 dims; expected 2 dims"]),
+        ({"dtype": "U3"}, TypeError, ["dtype must have a numeric or boolean dtype", "<U3"]),
+        ({"dtype": object}, TypeError, ["dtype must have a numeric", "object"]),
+    ],
+)
+def test_axes_chunks_and_dtype_are_checked_before_func_is_called(x, kwargs, error, fragments):
+    called = []
+
+    def func(b):
+        called.append(b.shape)  # (Dask's meta inference calls func on empty blocks)
+        return b
+
+    with raises_at_construction(error, *fragments):
+        dask_overlap.map_blocks(func, x, **kwargs)
+    assert called == []

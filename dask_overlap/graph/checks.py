@@ -21,7 +21,9 @@ from .infer import refuse_meta, refuse_subclasses
 __all__ = [
     "array_positions",
     "as_list",
+    "check_axes",
     "check_batch",
+    "check_chunks_ndim",
     "check_dtype",
     "check_func",
     "check_inputs",
@@ -48,6 +50,42 @@ def as_list(axes: int | Sequence[int] | None) -> list[int]:
     if isinstance(axes, Integral):
         return [int(axes)]
     return [int(a) for a in axes]
+
+
+def check_axes(name: str, axes: Any, ndim: int | None = None) -> list[int]:
+    """``drop_axis`` or ``new_axis``: ``None``, an integer or a sequence of integers (in
+    ``[-ndim, ndim)`` where ``ndim`` is given), as a list.
+
+    >>> check_axes("drop_axis", 1.5, 2)
+    Traceback (most recent call last):
+    ...
+    TypeError: drop_axis must be an integer or a sequence of integers, got 1.5
+    """
+    if axes is None:
+        return []
+    items = [axes] if isinstance(axes, Integral) else axes
+    if (
+        isinstance(axes, (bool, str))
+        or not isinstance(items, Sequence)
+        or any(isinstance(a, bool) or not isinstance(a, Integral) for a in items)
+    ):
+        raise TypeError(f"{name} must be an integer or a sequence of integers, got {axes!r}")
+    if ndim is not None and any(not -ndim <= a < ndim for a in items):
+        raise ValueError(
+            f"{name} must be in [{-ndim}, {ndim}) for inputs of {ndim} dimension(s), got {axes!r}"
+        )
+    return [int(a) for a in items]
+
+
+def check_chunks_ndim(chunks: Any, kept_ndim: int, new_axis: Any) -> None:
+    """``chunks=`` of as many axes as the output has (more where they say its new axes,
+    with no ``new_axis``): Dask's own error, before ``func`` is called to infer a meta."""
+    if chunks is None or not isinstance(chunks, Sequence):
+        return
+    if len(chunks) < kept_ndim or (new_axis is not None and len(chunks) != kept_ndim):
+        raise ValueError(  # Dask's words (dask.array.map_blocks)
+            f"Provided chunks have {len(chunks)} dims; expected {kept_ndim} dims"
+        )
 
 
 def check_func(func: Any) -> None:

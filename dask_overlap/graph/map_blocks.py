@@ -32,8 +32,9 @@ from ..pipeline.task import PartitionTask, PartitionTaskWithInfo
 from .batch import auto_batch, joined, split_arrays, unbatched, worker_budget
 from .checks import (
     array_positions,
-    as_list,
+    check_axes,
     check_batch,
+    check_chunks_ndim,
     check_dtype,
     check_func,
     check_inputs,
@@ -75,7 +76,8 @@ def _inferred_dtype_and_meta(
         meta = None
     refuse_meta(meta, f"{funcname(func)}'s output on empty NumPy blocks (Dask's meta)")
     if dtype is None:
-        if any(is_dask_collection(a) and not isinstance(a, da.Array) for a in arrays):
+        given = (*arrays, *kwargs.values())  # (a keyword may be a delayed object too)
+        if any(is_dask_collection(a) and not isinstance(a, da.Array) for a in given):
             # Dask infers ``object`` here (func runs on the delayed object itself),
             # which no device array can hold: ask for the dtype instead.
             raise TypeError(
@@ -291,7 +293,15 @@ def map_blocks(
     check_inputs(arrays, positions, enforce_ndim, meta)
     ndim = max((arrays[i].ndim for i in positions), default=0)
     check_numblocks(arrays, positions, ndim)
-    drop, new = as_list(drop_axis), as_list(new_axis)
+    drop, new = check_axes("drop_axis", drop_axis, ndim), check_axes("new_axis", new_axis)
+    check_chunks_ndim(chunks, ndim - len(drop) + len(new), new_axis)
+    if new and max(new) >= ndim - len(drop) + len(new):
+        raise ValueError(  # Dask's rule, said before func is called to infer a meta
+            f"new_axis must name axes of the output ({ndim - len(drop) + len(new)} "
+            f"dimension(s)): New_axis values do not fill in all dimensions; got {new_axis!r}"
+        )
+    if dtype is not None:
+        check_dtype("dtype", dtype)  # the one given, before func is called to infer a meta
     out_split_axis = None
     if split_axis is not None:
         split_axis = check_split_axis(split_axis, ndim, drop_axis)
