@@ -49,6 +49,7 @@ from ..pipeline.program import Program
 from ..pipeline.task import PartitionTask
 from .batch import CutBack, with_data_gathered
 from .rewrite import (
+    aliases_seen_through,
     asked_keys,
     inlined_data,
     is_partition_template,
@@ -197,7 +198,11 @@ def optimize(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     (:func:`.rewrite.inlined_data`): what :func:`install` sets as ``array_optimize``."""
     asked = asked_keys(keys)  # (flattened once, for the passes of ours that ask)
     if isinstance(dsk, HighLevelGraph):
-        dsk = with_data_gathered(kept_apart(fuse(dsk, asked)), asked)
+        dsk = kept_apart(fuse(dsk, asked))
+        partitions = [n for n, layer in dsk.layers.items() if partition_task(layer) is not None]
+        if partitions:  # (after fusion: a layer seen through is a materialized one)
+            dsk = aliases_seen_through(dsk, partitions, {layer_of(k) for k in asked})
+        dsk = with_data_gathered(dsk, asked)
     dsk = (_previous or _dask_optimize)(dsk, keys, **kwargs)
     return inlined_data(dsk, asked, _reads_blocks)
 

@@ -10,7 +10,8 @@ layer the graph keeps; the layer Dask built is not changed:
   partition checks what ``func`` returns against what the array declares;
 - **each partition stays its own task** through Dask's two fusions (see
   :func:`unfused_task`);
-- **alias layers are seen through** (:func:`skip_aliases`).
+- **alias layers are seen through** when the graph is optimized, after fusion
+  (:func:`aliases_seen_through`).
 
 And once Dask has optimized a graph, blocks of data that only a gather or a partition
 reads are put into that task (:func:`inlined_data`).
@@ -31,11 +32,11 @@ a layer against 33 ms without it; with the layer seen through, 25 ms; and crossi
 workers went from 0.47 of the local stage to 0.60-0.69 (``benchmarks/results/cross-
 worker.json``).
 
-:func:`skip_aliases` rewrites one layer, the partition layer (or the layer that gathers
-blocks for a batch), so that its tasks name the aliases' targets directly: the alias
-layers are then needed by nothing and culled. Only layers made wholly of aliases are
-seen through (chains of them followed), so what is resolved is exactly what Dask would
-have moved unchanged.
+:func:`aliases_seen_through` rewrites the partition layers (a batch's gather resolves its
+own, through :func:`alias_targets`), so that their tasks name the aliases' targets
+directly: the alias layers are then needed by nothing and culled. Only layers made
+wholly of aliases are seen through (chains of them followed), so what is resolved is
+exactly what Dask would have moved unchanged.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ except ImportError:  # pragma: no cover - an older Dask: aliases stay tasks, tas
 __all__ = [
     "PARTITION_ANNOTATION",
     "alias_targets",
+    "aliases_seen_through",
     "asked_keys",
     "block_data",
     "is_partition_template",
@@ -151,26 +153,20 @@ def alias_targets(graph: HighLevelGraph, names: Iterable[str]) -> dict[Any, Any]
     return out
 
 
-def skip_aliases(result: da.Array) -> da.Array:
-    """``result`` with the tasks of its own layer depending on what the alias layers
-    among their dependencies stand for; ``result`` itself when there are none.
-
-    The layer becomes a materialized one (its tasks are built here, once, with the keys
-    replaced); its class of task, annotations and keys are kept, and the graph keeps only
-    the layers it still reaches.
-    """
+def _seen_through(graph: HighLevelGraph, name: str) -> HighLevelGraph | None:
+    """``graph`` with the tasks of layer ``name`` depending on what the alias layers among
+    their dependencies stand for (the layer materialized, its class of task, annotations
+    and keys kept); ``None`` where there is nothing to see through."""
     if GraphNode is None:  # pragma: no cover - an older Dask
-        return result
-    graph = result.dask
-    name = result.name
+        return None
     deps = graph.dependencies.get(name, set())
     subs = alias_targets(graph, deps)
     if not subs:
-        return result
+        return None
     layer = graph.layers[name]
     tasks = dict(layer)
     if not all(isinstance(t, GraphNode) for t in tasks.values()):
-        return result  # pragma: no cover - a layer of legacy tuples: left as Dask made it
+        return None  # pragma: no cover - a layer of legacy tuples: left as Dask made it
     skipped = {layer_of(k) for k in subs}
     targets = {layer_of(t) for t in subs.values()}
     layers = dict(graph.layers)
@@ -179,10 +175,37 @@ def skip_aliases(result: da.Array) -> da.Array:
     )
     dependencies = dict(graph.dependencies)
     dependencies[name] = (set(deps) - skipped) | targets
-    # Only the layers the rewritten one still reaches: Dask's own cull can keep an alias
-    # layer nothing needs (it keeps a legacy layer whole when the keys asked of it are as
-    # many as its own, whichever they are).
-    graph = HighLevelGraph(layers, dependencies).cull_layers([name])
+    return HighLevelGraph(layers, dependencies)
+
+
+def aliases_seen_through(
+    graph: HighLevelGraph, names: Iterable[str], keep: Iterable[str]
+) -> HighLevelGraph:
+    """``graph`` with the alias layers that layers ``names`` read seen through (see the
+    module docstring), and only the layers that those in ``keep`` still reach: Dask's own
+    cull can keep an alias layer nothing needs (it keeps a legacy layer whole when the
+    keys asked of it are as many as its own, whichever they are). ``graph`` itself where
+    nothing is seen through.
+
+    It runs when a graph is optimized, after fusion (:func:`.fusion.optimize`): a
+    partition layer seen through is a materialized one, which fusion no longer reads, so
+    a stage over a concatenated or reordered array took in no following step."""
+    changed = False
+    for name in names:
+        seen = _seen_through(graph, name)
+        if seen is not None:
+            graph, changed = seen, True
+    return graph.cull_layers([n for n in keep if n in graph.layers]) if changed else graph
+
+
+def skip_aliases(result: da.Array) -> da.Array:
+    """``result`` with the tasks of its own layer depending on what the alias layers
+    among their dependencies stand for (see :func:`aliases_seen_through`); ``result``
+    itself when there are none."""
+    name = result.name
+    graph = aliases_seen_through(result.dask, [name], [name])
+    if graph is result.dask:
+        return result
     return da.Array(graph, name, result.chunks, meta=result._meta)
 
 
@@ -461,4 +484,6 @@ def partition_layer(result: da.Array, task: Any) -> da.Array:
     result = da.Array(
         HighLevelGraph(layers, graph.dependencies), name, result.chunks, meta=result._meta
     )
-    return skip_aliases(result)  # after: it materializes the tasks made here
+    # Alias layers it reads are seen through when the graph is optimized, after fusion
+    # (aliases_seen_through): a materialized layer here would take in no following step.
+    return result
