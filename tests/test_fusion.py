@@ -479,6 +479,26 @@ def test_two_auto_stages_over_small_blocks_fuse_through_their_batches(auto_joins
     assert wait_until_idle()["partitions"] == x.npartitions // k
 
 
+def test_three_auto_stages_are_one_program_of_three_steps(auto_joins):
+    """The last two fuse first (the order of the batch path's layers), then the first
+    takes them in: their steps are spliced in, not one step of a nested program, so
+    explain() and an error's note count and name every step."""
+    a, x = small()
+
+    def fails_in_the_last(b: Any) -> Any:
+        raise Bad("bad value encountered")
+
+    y = dask_overlap.map_blocks(double, x, split_axis=0)
+    z = dask_overlap.map_blocks(np.abs, y, split_axis=0)
+    assert steps(dask_overlap.map_blocks(np.negative, z, split_axis=0)) == [
+        ["double", "absolute", "negative"]
+    ]
+    w = dask_overlap.map_blocks(fails_in_the_last, z, split_axis=0, dtype=x.dtype)
+    with pytest.raises(Bad) as info:
+        w.compute(scheduler="sync")
+    assert any("fused step 3 of 3: fails_in_the_last" in n for n in info.value.__notes__)
+
+
 @pytest.mark.parametrize(
     "build, taken",
     [

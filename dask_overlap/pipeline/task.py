@@ -24,7 +24,7 @@ from ..backends import kernels_kept, tokenize_kept
 from .blocks import BatchBlocks
 from .current import get_runtime
 from .partition import PartitionSpec, run_partition
-from .program import EachBlock, Program
+from .program import Call, EachBlock, Program
 from .stats import Retired
 from .store import Store
 
@@ -136,7 +136,13 @@ class PartitionTask:
         whole partitions (its steps cannot be cut into sub-chunks)."""
         task = copy.copy(self)
         program = self.func if isinstance(self.func, Program) else Program(self.func)
-        task.func = Program(program.first, program.before, (*program.then, step))
+        steps = (step,)
+        inner = getattr(step, "fn", None)
+        if isinstance(inner, Program) and not inner.before:
+            # A stage fused with its own followers first: its steps, spliced in (one
+            # program, whose steps explain() and an error's note count and name).
+            steps = (Call(step.name, inner.first, step.args, step.kwargs), *inner.then)
+        task.func = Program(program.first, program.before, (*program.then, *steps))
         task.key_name = step.name
         if then is not None:
             task.out_mode = then.out_mode
