@@ -63,10 +63,8 @@ CPU_WORKERS = 2
 logger = logging.getLogger(__name__)
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
-_NO_GPU = (
-    "no GPU is visible (CUDA_VISIBLE_DEVICES is {cvd}{probe}); pass allow_cpu=True "
-    "(--allow-cpu) for CPU workers on the host backend"
-)
+_NO_GPU = "no GPU is visible (CUDA_VISIBLE_DEVICES is {cvd}{probe})"
+_FOR_CPU = "; pass allow_cpu=True (--allow-cpu) for CPU workers on the host backend"
 
 
 def parse_devices(value: str | int | Sequence[str | int]) -> list[str]:
@@ -198,7 +196,7 @@ def visible_gpus() -> list[str]:
 
 
 def _no_gpu(cvd: str, asked: str | None) -> str:
-    """The error for no GPU: ``cvd`` says what CUDA_VISIBLE_DEVICES was, ``asked`` what
+    """Why there is no GPU: ``cvd`` says what CUDA_VISIBLE_DEVICES was, ``asked`` what
     else was asked (``None``: nothing, the devices were given)."""
     return _NO_GPU.format(cvd=cvd, probe="" if asked is None else f"; {asked}")
 
@@ -350,9 +348,12 @@ def plan_workers(
         ucx = ucx_settings(gpu=True) if is_ucx(protocol) else None
         return WorkerLayout(n_workers or len(devices), tuple(devices), options, protocol, ucx)
     if not allow_cpu:
-        raise RuntimeError(_no_gpu(cvd, asked))
+        raise RuntimeError(_no_gpu(cvd, asked) + _FOR_CPU)
     if options.backend == "cuda":
-        raise ValueError(f"backend='cuda' was asked for, but {_no_gpu(cvd, asked)}")
+        raise ValueError(  # allow_cpu was given: the backend is what stands in the way
+            f"backend='cuda' was asked for, but {_no_gpu(cvd, asked)}; leave the backend "
+            "to 'auto' (or 'host') for CPU workers"
+        )
     if options.backend == "auto":
         options = dataclasses.replace(options, backend="host")
     ucx = ucx_settings(gpu=False) if is_ucx(protocol) else None
