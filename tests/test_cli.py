@@ -27,7 +27,9 @@ from dask_overlap.cluster.cli import main, options_from_params
 from dask_overlap.cluster.local import THREADS_PER_WORKER, plan_workers
 
 OPTION_FLAGS = [
-    f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(Options) if f.name != "timed"
+    f"--{f.name.replace('_', '-')}"
+    for f in dataclasses.fields(Options)
+    if f.name not in ("timed", "fuse")  # (fuse: the client's)
 ]
 
 

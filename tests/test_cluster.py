@@ -155,6 +155,29 @@ def test_threaded_scheduler_uses_the_process_runtime() -> None:
     assert runtime_stats()["partitions"] == 4
 
 
+def _process_runtimes() -> dict[str, int]:
+    from dask_overlap.pipeline.runtime import process_runtimes
+
+    return {name: rt.options.pinned_pool_size for name, rt in process_runtimes().items()}
+
+
+def test_a_plugin_registered_again_while_partitions_run_leaves_no_runtime_behind(
+    client: Client,
+) -> None:
+    """Between the old plugin's teardown and the new one's setup, partitions wait for the
+    new runtime: they fell back to one of the process's own, built from the worker's
+    configuration (outside the plugin's bounds) and never closed."""
+    x = da.random.default_rng(1).random((2**14, 64), dtype="f4", chunks=(16, 64))
+    y = dask_overlap.map_blocks(lambda b: b * 2, x, split_axis=0, batch=1)
+    future = client.compute(y)
+    poll(lambda: sum(s["partitions"] for s in client.run(runtime_stats).values()) > 50)
+    client.register_plugin(plugin(pinned_pool_size="32MiB"))  # while partitions run
+    np.testing.assert_array_equal(future.result(), x.compute() * 2)
+    pools = client.run(lambda: runtime_stats()["pinned_pool_size"])
+    assert set(pools.values()) == {32 * 2**20}
+    assert list(client.run(_process_runtimes).values()) == [{}, {}]
+
+
 def test_cluster_close_closes_each_workers_runtime() -> None:
     # In-process workers share this one plugin object; each still gets its own runtime.
     overlap = plugin(pinned_pool_size="64MiB")
@@ -199,6 +222,9 @@ def test_local_gpu_cluster_cpu_path() -> None:
         ours = dask_overlap.map_blocks(func, x, split_axis=0, sub_chunk_bytes="8KiB")
         got, theirs = client.compute([ours, da.map_blocks(func, x)], sync=True)
         np.testing.assert_array_equal(got, theirs)
+        # The cluster's in_flight=3 is the workers' window where the call says none.
+        windows = client.run(lambda: dask_overlap.runtime_stats()["max_window"])
+        assert max(windows.values()) == 3, windows
 
         # Registered with the scheduler, as a client's register_plugin would do.
         client.unregister_worker_plugin(OverlapPlugin.name)
@@ -246,6 +272,9 @@ def test_local_gpu_cluster_without_gpu_says_so(monkeypatch: pytest.MonkeyPatch) 
         LocalGPUCluster(allow_cpu=True, in_flight=0, **CLUSTER_KW)
     with pytest.raises(ValueError, match="processes=False"):
         LocalGPUCluster(allow_cpu=True, processes=False, **CLUSTER_KW)
+    # Read where a graph is optimized (the client), never by a worker: refused, not ignored.
+    with pytest.raises(ValueError, match=r"fuse is read where a graph is optimized.*overlap\.fuse"):
+        LocalGPUCluster(allow_cpu=True, fuse=False, **CLUSTER_KW)
 
 
 @pytest.mark.parametrize(

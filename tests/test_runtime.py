@@ -262,6 +262,30 @@ def test_a_task_that_got_a_runtime_just_retired_runs_on_the_new_one(monkeypatch)
     assert raced and raced[0].counters.partitions == 0  # nothing ran on the retired one
 
 
+def test_a_task_that_got_a_runtime_just_closed_runs_on_another(monkeypatch):
+    """A closed runtime refuses partitions (a plugin's torn down, say): the task that
+    looked it up just before looks again; a lookup that hands it out again is an error,
+    not a loop."""
+    from dask_overlap.pipeline import task as task_module
+
+    a, x = data()
+    closed = runtime_module.Runtime(Options.from_config(backend="host"))
+    closed.close()
+    real, handed = task_module.get_runtime, []
+
+    def once_closed(backend):
+        handed.append(backend)
+        return closed if len(handed) == 1 else real(backend)
+
+    monkeypatch.setattr(task_module, "get_runtime", once_closed)
+    y = dask_overlap.map_blocks(np.negative, x[:16], split_axis=0)
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), -a[:16])
+    assert closed.counters.partitions == 0
+    monkeypatch.setattr(task_module, "get_runtime", lambda backend: closed)
+    with pytest.raises(RuntimeError, match="runtime closed under this task"):
+        y.compute(scheduler="sync")
+
+
 def test_the_heap_is_not_frozen_while_distributed_is_half_imported(monkeypatch):
     """A module another thread is importing has no Worker class yet: a runtime built
     then neither fails (it did, with its threads left running) nor freezes the heap."""

@@ -97,8 +97,8 @@ def _option_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     schema = _schema()
     for field in reversed(dataclasses.fields(Options)):
         key = field.name.replace("_", "-")
-        if key not in schema or schema[key].get("type") == "object":
-            continue
+        if key not in schema or schema[key].get("type") == "object" or key == "fuse":
+            continue  # (fuse: read where a graph is optimized, on the client)
         spec = schema[key]
         default = dask.config.get(f"overlap.{key}")
         help_text = f"{spec.get('description', '')} [default: overlap.{key} = {default}]"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 from distributed import WorkerPlugin
@@ -33,6 +34,39 @@ __all__ = ["OverlapPlugin", "resolve_options", "worker_runtime"]
 # since a worker holds at most one plugin of a given name; a process may run several
 # workers (see dask_overlap.process).
 _live: Registry[str, Runtime] = Registry("worker plugins' runtimes, by worker address")
+# Workers whose plugin's runtime is being torn down or set up now, by address (how many
+# of the two are under way): a partition task there waits for the new runtime rather than
+# falling back to a per-process one, which a re-registration's gap between the two once
+# built from the worker's own configuration (pools outside the plugin's bounds, never
+# closed, seen by no runtime_stats).
+_swapping: Registry[str, int] = Registry("workers whose plugin's runtime is being swapped")
+
+#: The longest a partition task waits for its worker's runtime to be set up again.
+SWAP_WAIT_SECONDS = 60.0
+_SWAP_POLL_SECONDS = 0.01
+
+
+def _swap(address: str, by: int) -> None:
+    with _swapping.lock:
+        n = _swapping.items.get(address, 0) + by
+        if n > 0:
+            _swapping.items[address] = n
+        else:
+            _swapping.items.pop(address, None)
+
+
+def _plugin_runtime_of(address: str) -> Runtime | None:
+    """The runtime of the worker at ``address``, waiting (up to ``SWAP_WAIT_SECONDS``)
+    while its plugin's runtime is being swapped."""
+    deadline = time.monotonic() + SWAP_WAIT_SECONDS
+    while True:
+        with _live.lock:
+            rt = _live.items.get(address)
+        if (rt is not None and not rt.closed) or address not in _swapping.items:
+            return rt
+        if time.monotonic() > deadline:
+            return rt
+        time.sleep(_SWAP_POLL_SECONDS)
 
 
 def resolve_options(options: Options | None = None, **overrides: Any) -> Options:
@@ -49,11 +83,17 @@ def resolve_options(options: Options | None = None, **overrides: Any) -> Options
     >>> resolve_options(resolve_options(backend="host"), streams=3).backend
     'host'
     """
-    if options is None:
-        return Options.from_config(**overrides)
-    if not isinstance(options, Options):
+    if not isinstance(options, Options | None):
         raise TypeError(f"options must be a dask_overlap.Options, got {type(options).__name__}")
     given = {k: v for k, v in overrides.items() if v is not None}
+    if "fuse" in given:
+        raise ValueError(
+            "fuse is read where a graph is optimized, in the client's process, not by a "
+            "worker: set overlap.fuse there (dask.config.set({'overlap.fuse': False})); "
+            f"got fuse={given['fuse']!r} for the workers"
+        )
+    if options is None:
+        return Options.from_config(**given)
     if not given:
         return options
     values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
@@ -81,13 +121,11 @@ def worker_runtime(backend: str | None = None) -> Runtime | None:
         worker = get_worker()
     except ValueError:
         worker = None
-    with _live.lock:
-        if worker is not None:
-            rt = _live.items.get(worker.address)
-        elif len(_live.items) == 1:
-            rt = next(iter(_live.items.values()))
-        else:
-            rt = None
+    if worker is not None:
+        rt = _plugin_runtime_of(worker.address)
+    else:
+        with _live.lock:
+            rt = next(iter(_live.items.values())) if len(_live.items) == 1 else None
     if rt is None or rt.closed or not _serves(rt, backend):
         return None
     return rt
@@ -129,6 +167,13 @@ class OverlapPlugin(WorkerPlugin):
         return f"{type(self).__name__}(backend={self.options.backend!r})"
 
     async def setup(self, worker: Worker) -> None:
+        _swap(worker.address, +1)
+        try:
+            await self._setup(worker)
+        finally:
+            _swap(worker.address, -1)
+
+    async def _setup(self, worker: Worker) -> None:
         options = self.options  # "auto" device memory: what this worker's protocol can send
         resource = device_memory_resource(options.device_memory_resource, worker.address)
         if resource != options.device_memory_resource:
@@ -150,6 +195,15 @@ class OverlapPlugin(WorkerPlugin):
         worker.log_event(self.name, {"action": "setup", "backend": rt.name})
 
     async def teardown(self, worker: Worker) -> None:
+        _swap(worker.address, +1)
+        try:
+            await self._teardown(worker)
+        finally:
+            # Said done one turn of the event loop later: a re-registration's setup, which
+            # follows at once, says it is under way first (no task falls in between).
+            asyncio.get_running_loop().call_soon(_swap, worker.address, -1)
+
+    async def _teardown(self, worker: Worker) -> None:
         with _live.lock:
             rt = _live.items.pop(worker.address, None)
         if rt is None:

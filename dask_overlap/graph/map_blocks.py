@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import dask.array as da
+import dask.config
 import numpy as np
 from dask.array.core import map_blocks as dask_map_blocks
 from dask.array.utils import compute_meta
@@ -28,6 +29,7 @@ from dask.utils import funcname, has_keyword
 
 from ..backends import kernels_kept, resolve_backend
 from ..config import Options
+from ..config import defaults as config_defaults  # (the package's own, from its YAML)
 from ..pipeline.task import PartitionTask, PartitionTaskWithInfo
 from .batch import auto_batch, joined, split_arrays, unbatched, worker_budget
 from .checks import (
@@ -118,6 +120,18 @@ def _dtype_and_meta(
     return dtype, meta
 
 
+def _of_the_call(name: str, given: Any, opts: Options) -> Any:
+    """A call's ``sub_chunk_bytes`` or ``in_flight``: the keyword given, else this
+    process's ``overlap.*`` where it is set to other than its default, else ``None``: the
+    runtime that runs the partition decides (a worker's plugin's options, as
+    ``LocalGPUCluster(in_flight=2)`` or ``register(client, in_flight=2)`` gave them; in
+    this process, its ``overlap.*`` as the task runs)."""
+    key = name.replace("_", "-")
+    if given is None and dask.config.get(f"overlap.{key}") == config_defaults["overlap"][key]:
+        return None
+    return getattr(opts, name)
+
+
 def _partition_task(
     func: Callable[..., Any],
     opts: Options,
@@ -128,8 +142,10 @@ def _partition_task(
     out_mode: str,
     batch: int,
     enforce_ndim: bool,
+    given: tuple[Any, Any],
 ) -> PartitionTask:
-    """The task Dask maps over the blocks, asking for ``block_info`` only if ``func`` does."""
+    """The task Dask maps over the blocks, asking for ``block_info`` only if ``func`` does;
+    ``given``: the call's ``sub_chunk_bytes`` and ``in_flight`` keywords."""
     task_type = PartitionTaskWithInfo if has_keyword(func, "block_info") else PartitionTask
     return task_type(
         func,
@@ -138,8 +154,8 @@ def _partition_task(
         ndim=ndim,
         split_axis=split_axis,
         out_split_axis=out_split_axis,
-        sub_chunk_bytes=opts.sub_chunk_bytes,
-        in_flight=opts.in_flight,
+        sub_chunk_bytes=_of_the_call("sub_chunk_bytes", given[0], opts),
+        in_flight=_of_the_call("in_flight", given[1], opts),
         func_block_id=has_keyword(func, "block_id"),
         func_block_info=has_keyword(func, "block_info"),
         out_mode=out_mode,
@@ -242,7 +258,9 @@ def map_blocks(
         backend, which has no device, not at all). A size given cuts on every backend.
     in_flight
         How many sub-chunks of a partition may be in flight at once (the bounded queue;
-        default ``overlap.in-flight``). When it is full the submitter waits.
+        default ``overlap.in-flight``). When it is full the submitter waits. This and
+        ``sub_chunk_bytes``, left out and not set in this process's configuration, are
+        the worker's (``LocalGPUCluster(in_flight=2)``, ``register(client, ...)``).
     out
         ``"host"`` (default): each output block is an ordinary NumPy array, copied back
         through the worker's pinned ring. ``"pinned"``: a NumPy array in the worker's
@@ -332,7 +350,16 @@ def map_blocks(
             # blocks they hold (partition i along the axis: blocks i*batch onwards).
             token = f"{token}-batch{batch}"
     task = _partition_task(
-        func, opts, positions, ndim, split_axis, out_split_axis, out, batch, enforce_ndim
+        func,
+        opts,
+        positions,
+        ndim,
+        split_axis,
+        out_split_axis,
+        out,
+        batch,
+        enforce_ndim,
+        (sub_chunk_bytes, in_flight),
     )
     if batch > 1:
         arrays = tuple(joined(arrays, positions, ndim, split_axis, batch))

@@ -70,8 +70,8 @@ class PartitionSpec:
     ndim: int
     split_axis: int | None
     out_split_axis: int | None
-    sub_chunk_bytes: int | str  # or "auto" (see layout.auto_sub_chunk_bytes)
-    in_flight: int
+    sub_chunk_bytes: int | str | None  # or "auto" (layout.auto_sub_chunk_bytes); None: rt's
+    in_flight: int | None  # None: the runtime's
     block_info: dict | None = None
     func_name: str = "func"
     # What the output array declares for this block (``None``: not known; in the shape,
@@ -106,6 +106,10 @@ def _run(
 ) -> Any:
     counters = rt.counters
     entry = counters.enter()  # running from here: what sizes it counts it
+    if spec.in_flight is None:  # left to the runtime (a worker's plugin's options)
+        spec.in_flight = rt.options.in_flight
+    if spec.sub_chunk_bytes is None:
+        spec.sub_chunk_bytes = rt.options.sub_chunk_bytes
     try:
         blocks = list(args)
         try:

@@ -288,6 +288,7 @@ class Runtime:
             if self.closed:
                 return
             self.closed = True
+        self.counters.refuse()  # a task that got it just before starts on another
         self.drain(timeout)
         self._stopped.set()
         self._trimmer.join()

@@ -10,8 +10,8 @@ __all__ = ["Counters", "Entry", "Retired"]
 
 
 class Retired(RuntimeError):
-    """A partition tried to enter a runtime retired to be built again (see
-    :meth:`Counters.retire`): the task asks for the process's runtime again."""
+    """A partition tried to enter a runtime retired to be built again or closing (see
+    :meth:`Counters.retire` and :meth:`Counters.refuse`): the task asks for one again."""
 
 
 class Entry:
@@ -113,6 +113,12 @@ class Counters:
                 return False
             self._retired = True
             return True
+
+    def refuse(self) -> None:
+        """From now on no partition may enter (:meth:`enter` raises :class:`Retired`):
+        the runtime is closing, and a task that looked it up just before asks again."""
+        with self._lock:
+            self._retired = True
 
     def leave(self, entry: Entry) -> None:
         with self._lock:

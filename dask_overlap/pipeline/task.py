@@ -74,8 +74,8 @@ class PartitionTask:
         ndim: int,
         split_axis: int | None,
         out_split_axis: int | None,
-        sub_chunk_bytes: int | str,
-        in_flight: int,
+        sub_chunk_bytes: int | str | None,
+        in_flight: int | None,
         func_block_id: bool,
         func_block_info: bool,
         out_mode: str = "host",
@@ -267,12 +267,16 @@ class PartitionTask:
             self.batch,
             into,
         )
+        retired = None
         while True:
+            rt = get_runtime(self.backend)
+            if rt is retired:  # (no lookup hands out a closed runtime twice)
+                raise RuntimeError(f"dask_overlap: {rt.name} runtime closed under this task")
             try:
-                result = run_partition(get_runtime(self.backend), func, args, kwargs, spec)
+                result = run_partition(rt, func, args, kwargs, spec)
                 break
-            except Retired:  # retired between the lookup and the start: the new one
-                continue
+            except Retired:  # retired or closed between the lookup and the start: again
+                retired = rt
         if store is None:
             return result
         if blocks is not None:
