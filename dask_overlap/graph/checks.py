@@ -7,7 +7,7 @@ in ``map_blocks`` in the order its docstring gives, before ``func`` is called at
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -63,12 +63,11 @@ def check_axes(name: str, axes: Any, ndim: int | None = None) -> list[int]:
     """
     if axes is None:
         return []
-    items = [axes] if isinstance(axes, Integral) else axes
-    if (
-        isinstance(axes, (bool, str))
-        or not isinstance(items, Sequence)
-        or any(isinstance(a, bool) or not isinstance(a, Integral) for a in items)
-    ):
+    if isinstance(axes, (bool, str, bytes)) or not isinstance(axes, Integral | Iterable):
+        items = None
+    else:
+        items = [axes] if isinstance(axes, Integral) else list(axes)  # (an ndarray too)
+    if items is None or any(isinstance(a, bool) or not isinstance(a, Integral) for a in items):
         raise TypeError(f"{name} must be an integer or a sequence of integers, got {axes!r}")
     if ndim is not None and any(not -ndim <= a < ndim for a in items):
         raise ValueError(
