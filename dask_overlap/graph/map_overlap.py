@@ -325,11 +325,10 @@ def map_overlap(
     if isinstance(func, da.Array) and args and callable(args[0]):
         func, args, depth, boundary, trim = _deprecated_signature(func, args, depth, boundary, trim)
     check_func(func)
-    for name, flag in (("trim", trim), ("align_arrays", align_arrays)):
+    flags = {"trim": trim, "align_arrays": align_arrays, "allow_rechunk": allow_rechunk}
+    for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    if not isinstance(allow_rechunk, bool):
-        raise TypeError(f"allow_rechunk must be True or False, got {allow_rechunk!r}")
     args, depths, bounds = _normalised(args, depth, boundary, align_arrays)
     batch = kwargs.pop("batch", "auto")
     if batch not in ("auto", 1) or isinstance(batch, bool):
