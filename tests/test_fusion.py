@@ -479,6 +479,26 @@ def test_two_auto_stages_over_small_blocks_fuse_through_their_batches(auto_joins
     assert wait_until_idle()["partitions"] == x.npartitions // k
 
 
+def test_topk_over_other_axes_after_an_auto_stage_is_left_to_dask(auto_joins):
+    # Over the batch's own axis it runs on each block; over another, it was taken onto
+    # the batch as a reduction's step, declared one element, and the partition failed.
+    a, x = small()
+    y = dask_overlap.map_blocks(double, x, split_axis=0)
+    z = da.topk(y, 2, axis=1)
+    assert steps(z) == [["double"]]
+    np.testing.assert_array_equal(z.compute(), da.topk(x * 2, 2, axis=1).compute())
+
+
+@pytest.mark.parametrize("batch", [1, "auto"])
+def test_a_step_that_reduces_a_negative_axis_is_taken_as_its_positive_one(auto_joins, batch):
+    a, x = small()
+    y = dask_overlap.map_blocks(double, x, split_axis=0, batch=batch)
+    kw = {"axis": -2, "keepdims": True, "chunks": ((1,) * x.numblocks[0], (16,))}
+    got = y.map_blocks(np.sum, **kw)
+    assert [s[-1] for s in steps(got)] == ["sum"]
+    np.testing.assert_array_equal(got.compute(), (x * 2).map_blocks(np.sum, **kw).compute())
+
+
 def test_three_auto_stages_are_one_program_of_three_steps(auto_joins):
     """The last two fuse first (the order of the batch path's layers), then the first
     takes them in: their steps are spliced in, not one step of a nested program, so

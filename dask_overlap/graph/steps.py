@@ -242,11 +242,14 @@ def reduced_axes(layer: Blockwise) -> tuple[int, ...]:
     axis = kwargs.get("axis")
     if kwargs.get("keepdims") is not True:
         return ()
-    if isinstance(axis, int):
-        return (axis,)
-    if isinstance(axis, (tuple, list)) and all(isinstance(a, int) for a in axis):
-        return tuple(axis)
-    return ()
+    axes = (axis,) if isinstance(axis, int) else axis
+    if not isinstance(axes, (tuple, list)) or not all(isinstance(a, int) for a in axes):
+        return ()
+    # As positive axes (a user's step may say -2): what the partition's shape is told.
+    ndim = len(layer.output_indices)
+    if not all(-ndim <= a < ndim for a in axes):
+        return ()
+    return tuple(a % ndim for a in axes)
 
 
 def store_target(layer: Blockwise) -> tuple[bool, Any]:

@@ -48,6 +48,7 @@ from .steps import (
     reads,
     reads_blockwise,
     reduced_axes,
+    reduces_to_one,
     stage_of_template,
     store_of,
     store_target,
@@ -78,6 +79,8 @@ def _absorb_through(
     if step is None:
         return None
     reduces = reduced_axes(consumer)
+    if reduces and not reduces_to_one(step, task, reduces):
+        return None  # called as a reduction's step (da.topk's), but it keeps more than one
     found = probe(step, task)
     on_batch = elementwise(consumer.task) or (reduces and cut.axis not in reduces)
     if on_batch and isinstance(found, np.ndarray):  # (a mean's partial is a dict: not cut)
@@ -85,8 +88,18 @@ def _absorb_through(
         return fused, cut.meta.astype(found.dtype)
     if blocks is None:
         return None
-    how = "batch" if on_batch and type(found) is dict else "fold" if cut.axis in reduces else "each"
+    # (A fold adds a last axis: a step that names its axes from the end would then reduce
+    # another one; such a step runs on each block.)
+    folds = cut.axis in reduces and not _from_the_end(consumer)
+    how = "batch" if on_batch and type(found) is dict else "fold" if folds else "each"
     return task.each_block(step, blocks, how), None
+
+
+def _from_the_end(layer: Blockwise) -> bool:
+    """Whether ``layer``'s step names an axis from the end (``axis=-2``)."""
+    axis = layer.task.kwargs.get("axis")
+    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
+    return any(isinstance(a, int) and a < 0 for a in axes)
 
 
 def _blocks_of(cut: CutBack) -> BatchBlocks | None:
