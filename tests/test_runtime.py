@@ -607,6 +607,32 @@ def test_a_pool_block_that_fails_to_come_gives_its_room_back(monkeypatch):
     assert pool.in_use == 0 and pool.held == 0
 
 
+def test_a_collection_under_the_pools_lock_gives_a_block_back_without_a_deadlock():
+    """A block's finalizer gives its bytes back under the pool's lock; the collector may
+    run it in a thread that holds that lock already (wait_for_room's predicate, any
+    allocation there): with a plain Lock that thread waited on itself, and the worker
+    behind it."""
+    import gc
+
+    from dask_overlap.backends.base import HostPool
+
+    pool = HostPool(4 << 20)
+    block = pool.allocate(1 << 20)
+    cycle: list = [block, None]
+    cycle[1] = cycle  # freed only by the collector
+    del block, cycle
+    done = threading.Event()
+
+    def collect_holding_the_lock() -> None:
+        with pool._cond:
+            gc.collect()
+        done.set()
+
+    threading.Thread(target=collect_holding_the_lock, daemon=True).start()
+    assert done.wait(10), "the pool's lock was taken again by the thread that held it"
+    assert pool.in_use == 0 and pool.held == 0
+
+
 def test_a_block_the_allocator_refuses_is_a_fallback_counted_as_refused(monkeypatch):
     """A fixed-size pool can be fragmented: the allocator refuses a block the budget had
     room for. The sub-chunk falls back to pageable memory (``pinned_fallbacks``) and the

@@ -219,7 +219,11 @@ class HostPool:
     def __init__(self, limit: int):
         self.limit = int(limit)
         self.hold_limit = self.limit // 2
-        self._cond = threading.Condition(threading.Lock())
+        # Re-entrant: a block's finalizer gives its bytes back under this lock, and the
+        # collector may run it in a thread that holds the lock already (a pass at any
+        # allocation, wait_for_room's predicate included): with a plain Lock, that thread
+        # waited on itself and the whole pool behind it.
+        self._cond = threading.Condition(threading.RLock())
         self.in_use = 0  # bytes charged: blocks handed out plus reservations not yet taken
         self.held = 0  # bytes of kept blocks (allocate())
         self.peak = 0
