@@ -58,13 +58,15 @@ def _swap(address: str, by: int) -> None:
 def _plugin_runtime_of(address: str) -> Runtime | None:
     """The runtime of the worker at ``address``, waiting (up to ``SWAP_WAIT_SECONDS``)
     while its plugin's runtime is being swapped."""
-    deadline = time.monotonic() + SWAP_WAIT_SECONDS
+    deadline = None  # (a partition's lookup: no clock read unless it must wait)
     while True:
         with _live.lock:
             rt = _live.items.get(address)
         if (rt is not None and not rt.closed) or address not in _swapping.items:
             return rt
-        if time.monotonic() > deadline:
+        if deadline is None:
+            deadline = time.monotonic() + SWAP_WAIT_SECONDS
+        elif time.monotonic() > deadline:
             return rt
         time.sleep(_SWAP_POLL_SECONDS)
 
