@@ -286,6 +286,24 @@ def test_a_task_that_got_a_runtime_just_closed_runs_on_another(monkeypatch):
         y.compute(scheduler="sync")
 
 
+@pytest.mark.parametrize("fails", ["ResultPool", "freeze_heap_once"])
+def test_a_runtime_that_fails_to_build_leaves_no_thread_behind(monkeypatch, fails):
+    """A step of the construction that raises (a pool, the heap's freeze: the first and
+    the last after threads start) stops the streams, copy and trim threads started."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no room")
+
+    def ours() -> set[str]:
+        return {t.name for t in threading.enumerate() if t.name.startswith("overlap-host")}
+
+    before = ours()
+    monkeypatch.setattr(runtime_module, fails, broken)
+    with pytest.raises(RuntimeError, match="no room"):
+        runtime_module.Runtime(Options.from_config(backend="host", freeze_heap=True))
+    assert poll(lambda: ours() == before), ours() - before
+
+
 def test_the_heap_is_not_frozen_while_distributed_is_half_imported(monkeypatch):
     """A module another thread is importing has no Worker class yet: a runtime built
     then neither fails (it did, with its threads left running) nor freezes the heap."""

@@ -158,9 +158,16 @@ class Runtime:
         self.options = options if options is not None else Options.from_config()
         self.backend: Backend = make_backend(self.options)
         self.name = self.backend.name
-        self.streams: list[Stream] = [
-            self.backend.make_stream() for _ in range(self.options.streams)
-        ]
+        self.streams: list[Stream] = []
+        try:
+            self._build(memory_limit)
+        except BaseException:
+            self._abandon()  # what it started (threads, streams, pools) goes with it
+            raise
+
+    def _build(self, memory_limit: int | None) -> None:
+        for _ in range(self.options.streams):
+            self.streams.append(self.backend.make_stream())
         threads = self.options.staging_threads
         self.copy_threads = auto_threads() if threads == "auto" else int(threads)
         self.copies = Copier(self.copy_threads, f"overlap-{self.name}-copy")
@@ -194,6 +201,20 @@ class Runtime:
         self._trimmer.start()
         if self.options.freeze_heap:
             freeze_heap_once()
+
+    def _abandon(self) -> None:
+        """Stop what a construction that failed had started, as :meth:`close` would."""
+        stopped, trimmer = getattr(self, "_stopped", None), getattr(self, "_trimmer", None)
+        if stopped is not None:
+            stopped.set()
+        if trimmer is not None and trimmer.is_alive():
+            trimmer.join()
+        for part in (getattr(self, "copies", None), getattr(self, "results", None)):
+            if part is not None:
+                part.close()
+        for s in self.streams:
+            s.close()
+        self.backend.close()
 
     def _trim_when_idle(self) -> None:
         """Every TRIM_SECONDS, when no partition runs and none has started since the last
