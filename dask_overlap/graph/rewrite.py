@@ -72,7 +72,6 @@ __all__ = [
     "rerouted",
     "with_argument",
     "retargeted",
-    "skip_aliases",
     "unfused_task",
 ]
 
@@ -196,17 +195,6 @@ def aliases_seen_through(
         if seen is not None:
             graph, changed = seen, True
     return graph.cull_layers([n for n in keep if n in graph.layers]) if changed else graph
-
-
-def skip_aliases(result: da.Array) -> da.Array:
-    """``result`` with the tasks of its own layer depending on what the alias layers
-    among their dependencies stand for (see :func:`aliases_seen_through`); ``result``
-    itself when there are none."""
-    name = result.name
-    graph = aliases_seen_through(result.dask, [name], [name])
-    if graph is result.dask:
-        return result
-    return da.Array(graph, name, result.chunks, meta=result._meta)
 
 
 if _DaskTask is not None:
