@@ -45,6 +45,7 @@ __all__ = [
     "result_dtype",
     "stage_of_partition",
     "stage_of_template",
+    "step_axes",
     "store_of",
     "store_target",
 ]
@@ -233,18 +234,24 @@ def result_dtype(step: Template, task: PartitionTask) -> Any:
     return getattr(probe(step, task), "dtype", None)
 
 
+def step_axes(layer: Blockwise) -> tuple[int, ...]:
+    """The axes a Dask step's ``axis=`` names, as given (``()`` for none, or where they
+    are not integers)."""
+    axis = layer.task.kwargs.get("axis")
+    axes = (axis,) if isinstance(axis, int) else axis
+    if not isinstance(axes, (tuple, list)) or not all(isinstance(a, int) for a in axes):
+        return ()
+    return tuple(axes)
+
+
 def reduced_axes(layer: Blockwise) -> tuple[int, ...]:
     """The axes a Dask step reduces, ``()`` for none. A reduction's first step is called
     with ``axis=`` and ``keepdims=True`` (Dask's ``reduction`` normalises ``axis`` into a
     tuple); other steps that take ``axis=`` keep their blocks' dimensions as they are
     (``np.cumsum``) or change them in ways a layer does not say (``np.diff``)."""
-    kwargs = layer.task.kwargs
-    axis = kwargs.get("axis")
-    if kwargs.get("keepdims") is not True:
+    if layer.task.kwargs.get("keepdims") is not True:
         return ()
-    axes = (axis,) if isinstance(axis, int) else axis
-    if not isinstance(axes, (tuple, list)) or not all(isinstance(a, int) for a in axes):
-        return ()
+    axes = step_axes(layer)
     # As positive axes (a user's step may say -2): what the partition's shape is told.
     ndim = len(layer.output_indices)
     if not all(-ndim <= a < ndim for a in axes):

@@ -50,6 +50,7 @@ from .steps import (
     reduced_axes,
     reduces_to_one,
     stage_of_template,
+    step_axes,
     store_of,
     store_target,
 )
@@ -90,16 +91,9 @@ def _absorb_through(
         return None
     # (A fold adds a last axis: a step that names its axes from the end would then reduce
     # another one; such a step runs on each block.)
-    folds = cut.axis in reduces and not _from_the_end(consumer)
+    folds = cut.axis in reduces and not any(a < 0 for a in step_axes(consumer))
     how = "batch" if on_batch and type(found) is dict else "fold" if folds else "each"
     return task.each_block(step, blocks, how), None
-
-
-def _from_the_end(layer: Blockwise) -> bool:
-    """Whether ``layer``'s step names an axis from the end (``axis=-2``)."""
-    axis = layer.task.kwargs.get("axis")
-    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
-    return any(isinstance(a, int) and a < 0 for a in axes)
 
 
 def _blocks_of(cut: CutBack) -> BatchBlocks | None:
