@@ -23,12 +23,12 @@ __all__ = [
     "as_list",
     "check_axes",
     "check_batch",
-    "check_chunks_ndim",
     "check_dtype",
     "check_func",
     "check_inputs",
     "check_numblocks",
     "check_out_mode",
+    "check_output_axes",
     "check_split_axis",
 ]
 
@@ -76,9 +76,15 @@ def check_axes(name: str, axes: Any, ndim: int | None = None) -> list[int]:
     return [int(a) for a in items]
 
 
-def check_chunks_ndim(chunks: Any, kept_ndim: int, new_axis: Any) -> None:
-    """``chunks=`` of as many axes as the output has (more where they say its new axes,
-    with no ``new_axis``): Dask's own error, before ``func`` is called to infer a meta."""
+def check_output_axes(chunks: Any, kept_ndim: int, new: list[int], new_axis: Any) -> None:
+    """Dask's rules for the output's axes, said before ``func`` is called to infer a meta:
+    ``new_axis`` (``new`` as a list) names axes of the output, of ``kept_ndim``, and
+    ``chunks=`` has as many axes (more where they say its new axes, with no ``new_axis``)."""
+    if new and max(new) >= kept_ndim:
+        raise ValueError(
+            f"new_axis must name axes of the output ({kept_ndim} dimension(s)): New_axis "
+            f"values do not fill in all dimensions; got {new_axis!r}"
+        )
     if chunks is None or not isinstance(chunks, Sequence):
         return
     if len(chunks) < kept_ndim or (new_axis is not None and len(chunks) != kept_ndim):

@@ -36,12 +36,12 @@ from .checks import (
     array_positions,
     check_axes,
     check_batch,
-    check_chunks_ndim,
     check_dtype,
     check_func,
     check_inputs,
     check_numblocks,
     check_out_mode,
+    check_output_axes,
     check_split_axis,
 )
 from .fusion import install as install_fusion
@@ -142,10 +142,11 @@ def _partition_task(
     out_mode: str,
     batch: int,
     enforce_ndim: bool,
-    given: tuple[Any, Any],
+    sub_chunk_bytes: Any,
+    in_flight: Any,
 ) -> PartitionTask:
     """The task Dask maps over the blocks, asking for ``block_info`` only if ``func`` does;
-    ``given``: the call's ``sub_chunk_bytes`` and ``in_flight`` keywords."""
+    ``sub_chunk_bytes`` and ``in_flight``: the call's keywords (``None``: not given)."""
     task_type = PartitionTaskWithInfo if has_keyword(func, "block_info") else PartitionTask
     return task_type(
         func,
@@ -154,8 +155,8 @@ def _partition_task(
         ndim=ndim,
         split_axis=split_axis,
         out_split_axis=out_split_axis,
-        sub_chunk_bytes=_of_the_call("sub_chunk_bytes", given[0], opts),
-        in_flight=_of_the_call("in_flight", given[1], opts),
+        sub_chunk_bytes=_of_the_call("sub_chunk_bytes", sub_chunk_bytes, opts),
+        in_flight=_of_the_call("in_flight", in_flight, opts),
         func_block_id=has_keyword(func, "block_id"),
         func_block_info=has_keyword(func, "block_info"),
         out_mode=out_mode,
@@ -312,12 +313,7 @@ def map_blocks(
     ndim = max((arrays[i].ndim for i in positions), default=0)
     check_numblocks(arrays, positions, ndim)
     drop, new = check_axes("drop_axis", drop_axis, ndim), check_axes("new_axis", new_axis)
-    check_chunks_ndim(chunks, ndim - len(drop) + len(new), new_axis)
-    if new and max(new) >= ndim - len(drop) + len(new):
-        raise ValueError(  # Dask's rule, said before func is called to infer a meta
-            f"new_axis must name axes of the output ({ndim - len(drop) + len(new)} "
-            f"dimension(s)): New_axis values do not fill in all dimensions; got {new_axis!r}"
-        )
+    check_output_axes(chunks, ndim - len(drop) + len(new), new, new_axis)
     if dtype is not None:
         check_dtype("dtype", dtype)  # the one given, before func is called to infer a meta
     out_split_axis = None
@@ -359,7 +355,8 @@ def map_blocks(
         out,
         batch,
         enforce_ndim,
-        (sub_chunk_bytes, in_flight),
+        sub_chunk_bytes,
+        in_flight,
     )
     if batch > 1:
         arrays = tuple(joined(arrays, positions, ndim, split_axis, batch))

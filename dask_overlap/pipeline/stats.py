@@ -83,7 +83,7 @@ class Counters:
         Its entry keeps the most partitions that ran at once while it ran (``sharing``)."""
         with self._lock:
             if self._retired:
-                raise Retired("this runtime was retired, to be built again")
+                raise Retired("this runtime takes no more partitions (retired or closing)")
             self.partitions_active += 1
             n = self.partitions_active
             entry = Entry(n)
